@@ -1,0 +1,96 @@
+// The meaning of every flash attention feature, in one place, for host and device code.
+// The XLA implementation (python/ejkernel/kernels/flash_attention/_xla.py) and the float64
+// reference in the tests implement exactly these formulas; change them together.
+//
+// For query i and key j of one sequence (indices local to the sequence, Sq queries and
+// Sk keys), with scale s, soft cap c, bias b and sink logit a:
+//   logit  = s * <q_i, k_j>
+//   logit  = c * tanh(logit / c)                     if c > 0
+//   logit += b[i, j]                                  if a bias is given
+//   visible(i, j) = mask[i, j] && segment_q[i] == segment_k[j] && window/causal (below)
+//   P[i, j] = exp(logit - lse_i) for visible keys, 0 otherwise,
+//   lse_i   = log(exp(a) + sum_visible exp(logit))    (the exp(a) term only with sinks)
+//   out_i   = sum_j dropout(P[i, j]) v_j
+// A query with no visible key (and no sink) has out_i = 0 and lse_i = -inf. With packed
+// sequences, rows past the last cu_seqlens_q offset are padding: out 0 and lse -inf, sinks or not.
+//
+// Causal and window masks are aligned bottom-right, like FlashAttention: with
+// offset = Sk - Sq, key j is visible to query i iff
+//   causal:             j <= i + offset
+//   window_left  >= 0:  j >= i + offset - window_left
+//   window_right >= 0:  j <= i + offset + window_right
+// A negative window side means unbounded.
+//
+// Dropout keeps P[i, j] with probability 1 - p and scales it by 1 / (1 - p); whether an
+// element is kept is a pure function of (seed, batch * num_q_heads + head, i, j), with i and
+// j indices into the batch row's query and key arrays (for packed sequences: packed indices),
+// so forward and backward, and every platform, draw the same mask.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "runtime/tensor.h"
+
+namespace ejk::flash_attention {
+
+EJK_HOST_DEVICE bool KeyVisible(int64_t i, int64_t j, int64_t offset, bool causal,
+                                int64_t window_left, int64_t window_right) {
+  const int64_t diagonal = i + offset;
+  if (causal && j > diagonal) return false;
+  if (window_left >= 0 && j < diagonal - window_left) return false;
+  if (window_right >= 0 && j > diagonal + window_right) return false;
+  return true;
+}
+
+// The keys [*begin, *end) that the causal/window masks leave visible to query i, clipped
+// to [0, num_keys). Used to skip fully masked key tiles.
+EJK_HOST_DEVICE void VisibleKeyRange(int64_t i, int64_t num_keys, int64_t offset, bool causal,
+                                     int64_t window_left, int64_t window_right, int64_t* begin,
+                                     int64_t* end) {
+  const int64_t diagonal = i + offset;
+  int64_t lo = 0, hi = num_keys;
+  if (window_left >= 0 && diagonal - window_left > lo) lo = diagonal - window_left;
+  if (causal && diagonal + 1 < hi) hi = diagonal + 1;
+  if (window_right >= 0 && diagonal + window_right + 1 < hi) hi = diagonal + window_right + 1;
+  if (hi < lo) hi = lo;
+  *begin = lo;
+  *end = hi;
+}
+
+EJK_HOST_DEVICE float SoftCap(float logit, float cap) {
+  return cap > 0.0f ? cap * tanhf(logit / cap) : logit;
+}
+
+// d(SoftCap)/d(logit), given the capped value: 1 - (capped / cap)^2.
+EJK_HOST_DEVICE float SoftCapGrad(float capped, float cap) {
+  if (cap <= 0.0f) return 1.0f;
+  const float t = capped / cap;
+  return 1.0f - t * t;
+}
+
+// MurmurHash3's 32-bit finaliser: a bijection with full avalanche.
+EJK_HOST_DEVICE uint32_t Fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// Per-row part of the dropout hash, hoisted out of the key loop.
+EJK_HOST_DEVICE uint32_t DropoutRowKey(uint32_t seed, uint32_t batch_head, uint32_t query_index) {
+  return Fmix32(query_index ^ Fmix32(batch_head ^ Fmix32(seed ^ 0x9e3779b9u)));
+}
+
+// Elements whose top 24 hash bits are below the threshold are dropped.
+inline uint32_t DropoutThreshold(float dropout_prob) {
+  return static_cast<uint32_t>(static_cast<double>(dropout_prob) * 16777216.0);
+}
+
+EJK_HOST_DEVICE bool DropoutKeep(uint32_t row_key, uint32_t key_index, uint32_t threshold) {
+  return (Fmix32(key_index ^ row_key) >> 8) >= threshold;
+}
+
+}  // namespace ejk::flash_attention

@@ -1,0 +1,216 @@
+"""Flash attention through libejkernel's FFI handlers (native CPU and CUDA), with a custom VJP.
+
+The forward returns (out, lse); the backward takes both cotangents, so gradients through
+the log-sum-exp are exact too. Absent optional operands travel as zero-element
+placeholders and the `operands` bit mask tells the handler which are real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import _native
+from ._validate import AttentionArgs
+
+OP = "flash_attention"
+
+# Bits of the `operands` attribute (csrc/flash_attention/ffi_common.h).
+_HAS_BIAS, _HAS_MASK, _HAS_AUX, _HAS_CU_SEQLENS, _HAS_SEGMENT_IDS, _HAS_DLSE = 1, 2, 4, 8, 16, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    platform: str
+    softmax_scale: float
+    causal: bool
+    window_left: int
+    window_right: int
+    logits_soft_cap: float
+    dropout_prob: float
+    operands: int
+    block_q: int
+    block_k: int
+    num_threads: int
+    backward: bool
+
+    def attributes(self, operands: int) -> dict[str, Any]:
+        return dict(
+            softmax_scale=np.float32(self.softmax_scale),
+            causal=self.causal,
+            window_left=np.int64(self.window_left),
+            window_right=np.int64(self.window_right),
+            logits_soft_cap=np.float32(self.logits_soft_cap),
+            dropout_prob=np.float32(self.dropout_prob),
+            operands=np.int64(operands),
+            block_q=np.int64(self.block_q),
+            block_k=np.int64(self.block_k),
+            num_threads=np.int64(self.num_threads),
+        )
+
+
+def _placeholder(x: Any, dtype: Any) -> Any:
+    return jnp.zeros((0,), dtype) if x is None else x
+
+
+def _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed) -> list[Any]:
+    return [
+        _placeholder(bias, jnp.float32),
+        _placeholder(mask, jnp.bool_),
+        _placeholder(aux, jnp.float32),
+        _placeholder(cu_q, jnp.int32),
+        _placeholder(cu_k, jnp.int32),
+        _placeholder(seg_q, jnp.int32),
+        _placeholder(seg_kv, jnp.int32),
+        jnp.zeros((), jnp.uint32) if seed is None else seed,
+    ]
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # newer JAX spells it `vma`
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _vary_like(x: Any, *likes: Any) -> Any:
+    """Marks `x` as varying over the manual mesh axes its inputs `likes` vary over (inside
+    shard_map). FFI results carry no such axes; left invariant, shard_map would treat every
+    shard's result as the same value, and custom_vjp needs cotangents typed like primals."""
+    wanted = frozenset().union(*(_varying_axes(like) for like in likes if like is not None))
+    missing = tuple(sorted(wanted - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _cotangent_like(ct: Any, primal: Any, *inputs: Any) -> Any:
+    """Types an FFI-computed cotangent like its primal inside shard_map: summed over the axes
+    the computation varied on but the primal does not (a replicated bias, say), and marked
+    varying over the primal's own axes."""
+    extra = tuple(sorted(frozenset().union(*(_varying_axes(x) for x in inputs if x is not None)) - _varying_axes(primal)))
+    if extra:
+        ct = jax.lax.psum(_vary_like(ct, *inputs), extra)
+    return _vary_like(ct, primal)
+
+
+@functools.cache
+def _attention_fn(static: _Static):
+    fwd_target = f"ejkernel_flash_attention_fwd_{static.platform}"
+    bwd_target = f"ejkernel_flash_attention_bwd_{static.platform}"
+
+    def forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
+        b, sq, hq, _ = q.shape
+        call = jax.ffi.ffi_call(
+            fwd_target,
+            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
+            vmap_method="sequential",
+        )
+        optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
+        out, lse = call(q, k, v, *optional, **static.attributes(static.operands))
+        inputs = (q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
+        return _vary_like(out, *inputs), _vary_like(lse, *inputs)
+
+    @jax.custom_vjp
+    def attention(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
+        return forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
+
+    def attention_fwd(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
+        out, lse = forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
+        return (out, lse), (q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed, out, lse)
+
+    def attention_bwd(residuals, cotangents):
+        if not static.backward:
+            raise NotImplementedError(
+                f"flash_attention on platform '{static.platform}' has no backward kernel; "
+                "use platform='xla' (or the automatic choice) to differentiate"
+            )
+        q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed, out, lse = residuals
+        dout, dlse = cotangents
+        results = [
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(bias.shape if bias is not None else (0,), jnp.float32),
+            jax.ShapeDtypeStruct(aux.shape if aux is not None else (0,), jnp.float32),
+        ]
+        call = jax.ffi.ffi_call(bwd_target, results, vmap_method="sequential")
+        optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
+        dq, dk, dv, dbias, daux = call(
+            q,
+            k,
+            v,
+            out,
+            dout.astype(q.dtype),
+            lse,
+            dlse.astype(jnp.float32),
+            *optional,
+            **static.attributes(static.operands | _HAS_DLSE),
+        )
+        inputs = (q, k, v, bias, aux, dout, dlse)
+        return (
+            _cotangent_like(dq, q, *inputs),
+            _cotangent_like(dk, k, *inputs),
+            _cotangent_like(dv, v, *inputs),
+            None if bias is None else _cotangent_like(dbias.astype(bias.dtype), bias, *inputs),
+            None,
+            None if aux is None else _cotangent_like(daux.astype(aux.dtype), aux, *inputs),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
+
+
+def flash_attention_native(
+    platform: str,
+    args: AttentionArgs,
+    *,
+    block_q: int,
+    block_k: int,
+    num_threads: int = 0,
+    backward: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the native kernel of `platform` ("cpu" or "cuda"); returns (out, lse)."""
+    _native.ensure_ffi_targets(OP, platform)
+    operands = (
+        (_HAS_BIAS if args.bias is not None else 0)
+        | (_HAS_MASK if args.attention_mask is not None else 0)
+        | (_HAS_AUX if args.softmax_aux is not None else 0)
+        | (_HAS_CU_SEQLENS if args.cum_seqlens_q is not None else 0)
+        | (_HAS_SEGMENT_IDS if args.q_segment_ids is not None else 0)
+    )
+    window_left, window_right = args.sliding_window or (-1, -1)
+    static = _Static(
+        platform=platform,
+        softmax_scale=args.softmax_scale,
+        causal=args.causal,
+        window_left=window_left,
+        window_right=window_right,
+        logits_soft_cap=args.logits_soft_cap or 0.0,
+        dropout_prob=args.dropout_prob,
+        operands=operands,
+        block_q=block_q,
+        block_k=block_k,
+        num_threads=num_threads,
+        backward=backward,
+    )
+    return _attention_fn(static)(
+        args.query,
+        args.key,
+        args.value,
+        args.bias,
+        args.attention_mask,
+        args.softmax_aux,
+        args.cum_seqlens_q,
+        args.cum_seqlens_k,
+        args.q_segment_ids,
+        args.kv_segment_ids,
+        args.dropout_seed,
+    )

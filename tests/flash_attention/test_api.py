@@ -1,0 +1,164 @@
+"""The public flash attention API: argument errors, platform choice, the seeds' quick start,
+and C++ validation reaching Python when the Python checks are bypassed."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel import Backend, Platform, _native, kernel_registry
+from ejkernel.kernels.flash_attention import FlashAttentionConfig, normalize
+from ejkernel.kernels.flash_attention._ffi import flash_attention_native
+from ejkernel.modules import FlashAttention, create_default_executor, flash_attention
+
+native_cpu = pytest.mark.skipif(not _native.available(), reason="libejkernel not loaded")
+
+
+def _qkv(rng, b=2, sq=37, sk=41, hq=4, hkv=2, d=32, dtype=jnp.float32):
+    q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    return q, k, v
+
+
+BAD_INPUTS = [
+    ("query", lambda q, k, v: dict(query=q[0]), ValueError, "query must have rank 4"),
+    ("query dtype", lambda q, k, v: dict(query=q.astype(jnp.int32)), TypeError, "query must be float32"),
+    ("mixed dtypes", lambda q, k, v: dict(key=k.astype(jnp.bfloat16)), TypeError, "share a dtype"),
+    ("heads", lambda q, k, v: dict(key=k[:, :, :1].repeat(3, 2), value=v[:, :, :1].repeat(3, 2)), ValueError, "num_kv_heads (3) must divide num_q_heads (4)"),
+    ("head dim", lambda q, k, v: dict(key=k[..., :16], value=v[..., :16]), ValueError, "head_dim"),
+    ("batch", lambda q, k, v: dict(key=k[:1], value=v[:1]), ValueError, "key batch"),
+    ("k/v shapes", lambda q, k, v: dict(value=v[:, :5]), ValueError, "must have the same shape"),
+    ("bias rank", lambda q, k, v: dict(bias=jnp.ones((37, 41))), ValueError, "bias must have rank 4"),
+    ("bias broadcast", lambda q, k, v: dict(bias=jnp.ones((1, 3, 37, 41))), ValueError, "bias float32[1, 3, 37, 41]"),
+    ("mask dtype", lambda q, k, v: dict(attention_mask=jnp.ones((1, 1, 37, 41))), TypeError, "attention_mask must be a bool"),
+    ("softmax_aux", lambda q, k, v: dict(softmax_aux=jnp.ones((3,))), ValueError, "softmax_aux must have shape [num_q_heads=4]"),
+    ("window", lambda q, k, v: dict(sliding_window=-2), ValueError, "sliding_window must be >= 0"),
+    ("window pair", lambda q, k, v: dict(sliding_window=(4, -3)), ValueError, "sliding_window sides"),
+    ("soft cap", lambda q, k, v: dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a finite float > 0"),
+    ("dropout", lambda q, k, v: dict(dropout_prob=1.0), ValueError, "dropout_prob must be in [0, 1)"),
+    ("scale", lambda q, k, v: dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("cu together", lambda q, k, v: dict(cum_seqlens_q=jnp.array([0, 37])), ValueError, "given together"),
+    ("segments together", lambda q, k, v: dict(q_segment_ids=jnp.zeros((2, 37), jnp.int32)), ValueError, "given together"),
+    ("segment shape", lambda q, k, v: dict(q_segment_ids=jnp.zeros((2, 36), jnp.int32), kv_segment_ids=jnp.zeros((2, 41), jnp.int32)), ValueError, "q_segment_ids must have shape [batch=2, 37]"),
+]
+
+
+@pytest.mark.parametrize("name,change,error,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_names_the_argument(name, change, error, message, rng):
+    q, k, v = _qkv(rng)
+    kwargs = dict(query=q, key=k, value=v)
+    kwargs.update(change(q, k, v))
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        flash_attention(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "cu_q,cu_k,message",
+    [
+        ([1, 5, 10], [0, 5, 10], r"cum_seqlens_q\[0\] must be 0"),
+        ([0, 6, 5], [0, 5, 10], "non-decreasing"),
+        ([0, 5, 10], [0, 5, 99], "exceeds the packed length"),
+        ([0, 10], [0, 5, 10], "same length"),
+        ([0, 10], [0, 10], "batch must be 1"),
+    ],
+)
+def test_bad_cum_seqlens(cu_q, cu_k, message, rng):
+    b = 2 if "batch" in message else 1
+    q, k, v = _qkv(rng, b=b, sq=10, sk=10)
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, v, cum_seqlens_q=jnp.array(cu_q, jnp.int32), cum_seqlens_k=jnp.array(cu_k, jnp.int32))
+
+
+def test_unknown_platform_is_an_error(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError, match="tpu|unknown|not"):
+        flash_attention(q, k, v, platform="tpu")
+
+
+def test_cuda_platform_without_gpu_is_an_error(rng):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError):
+        flash_attention(q, k, v, platform=Platform.CUDA)
+
+
+@native_cpu
+def test_auto_choice_is_native_cpu_and_logged(rng, caplog):
+    q, k, v = _qkv(rng)
+    with caplog.at_level(logging.DEBUG, logger="ejkernel"):
+        out = flash_attention(q, k, v, causal=True)
+    assert out.shape == q.shape
+    assert any("platform=cpu" in r.getMessage() and "flash_attention" in r.getMessage() for r in caplog.records)
+
+
+@native_cpu
+def test_disable_switch_falls_back_to_xla(rng, caplog, monkeypatch):
+    monkeypatch.setenv("EJKERNEL_DISABLE_NATIVE", "flash_attention")
+    q, k, v = _qkv(rng)
+    with caplog.at_level(logging.DEBUG, logger="ejkernel"):
+        flash_attention(q, k, v)
+    assert any("platform=xla" in r.getMessage() for r in caplog.records)
+
+
+@native_cpu
+def test_platforms_agree(rng):
+    q, k, v = _qkv(rng)
+    ours = flash_attention(q, k, v, causal=True, platform="cpu")
+    xla = flash_attention(q, k, v, causal=True, platform="xla")
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), atol=2e-5, rtol=2e-5)
+
+
+def test_seed_quick_start(rng):
+    executor = create_default_executor()
+    attention = FlashAttention()
+    batch, seq_len, num_heads, head_dim = 2, 256, 8, 64
+    q = k = v = jax.random.normal(jax.random.PRNGKey(int(rng.integers(2**31))), (batch, seq_len, num_heads, head_dim))
+    output = executor(attention, q, k, v, causal=True, dropout_prob=0.1)
+    assert output.shape == q.shape and bool(jnp.isfinite(output).all())
+
+    output = flash_attention(q, k, v, causal=True, sliding_window=128, logits_soft_cap=30.0)
+    assert output.shape == q.shape
+
+    impl = kernel_registry.get(algorithm="flash_attention", platform=Platform.XLA, backend=Backend.CPU)
+    assert impl(q, k, v, causal=True).shape == q.shape
+
+
+def test_return_lse_and_explicit_config(rng):
+    q, k, v = _qkv(rng)
+    out, lse = flash_attention(q, k, v, return_lse=True, cfg=FlashAttentionConfig(block_q=16, block_k=16))
+    assert out.shape == q.shape and lse.shape == (2, 4, 37) and lse.dtype == jnp.float32
+
+
+def test_version_and_build_info():
+    assert isinstance(ejkernel.__version__, str) and ejkernel.__version__
+    info = ejkernel.build_info()
+    assert "flash_attention" in info["operations"] and "xla" in info["operations"]["flash_attention"]
+    assert info["cache_dir"]
+
+
+@native_cpu
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: dict(key=a.key[:, :, :1].repeat(3, 2), value=a.value[:, :, :1].repeat(3, 2)), "key"),
+        (lambda a: dict(value=a.value[:, :7]), "value"),
+        (lambda a: dict(softmax_scale=float("inf")), "softmax_scale"),
+        (lambda a: dict(sliding_window=(-5, 3)), "window"),
+        (lambda a: dict(cum_seqlens_q=jnp.array([0, 50], jnp.int32), cum_seqlens_k=jnp.array([0, 41], jnp.int32)), "cum_seqlens_q"),
+    ],
+)
+def test_cpp_validation_reaches_python(change, message, rng):
+    """The native kernel validates again: a call past the Python checks gets an exception."""
+    import dataclasses
+
+    q, k, v = _qkv(rng, b=1)
+    args = dataclasses.replace(normalize(q, k, v), **change(normalize(q, k, v)))
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(flash_attention_native("cpu", args, block_q=16, block_k=16))

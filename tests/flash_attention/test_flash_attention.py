@@ -1,0 +1,466 @@
+"""Flash attention implementations against the materialised float64 reference.
+
+Accuracy: an implementation's error (against float64) may be at most twice the error of the
+materialised reference evaluated in the input dtype, plus a floor of about 1e-6 relative.
+Inputs are fresh random draws every run; the seed is printed for reproduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from reference import attention_reference, dropout_keep_mask, dropout_threshold, fmix32, reference_grads
+
+# Packed sequences, as (q, k) lengths: (20, 30), (0, 7), (1, 1), (9, 0), (20, 22); then
+# padding rows 50..56 and padding keys 60..63.
+VARLEN = (np.array([0, 20, 20, 21, 30, 50], np.int32), np.array([0, 30, 37, 38, 38, 60], np.int32), 57, 64)
+
+DIFFERENTIABLE = ("query", "key", "value", "bias", "softmax_aux")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int = 2
+    seq_q: int = 67
+    seq_k: int = 67
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    bias: str | None = None  # broadcast form: "BH", "B1", "1H" or "11"
+    bias_dtype: str | None = None  # default: the input dtype
+    mask: str | None = None  # broadcast form, like bias
+    segments: bool = False
+    varlen: bool = False
+    dropout: float = 0.0
+
+    def features(self) -> list[str]:
+        flags = {
+            "causal": self.causal,
+            "sliding_window": self.window is not None,
+            "logits_soft_cap": self.soft_cap is not None,
+            "softmax_aux": self.sinks,
+            "bias": self.bias is not None,
+            "attention_mask": self.mask is not None,
+            "cum_seqlens": self.varlen,
+            "segment_ids": self.segments,
+            "dropout": self.dropout > 0,
+            "gqa": self.q_heads != self.kv_heads,
+        }
+        return [name for name, on in flags.items() if on]
+
+
+# Each feature alone, then together; shapes, dtypes and GQA ratios vary across the cases.
+CASES = [
+    Case("plain_mha"),
+    Case("plain_bf16_gqa4_d128_sq>sk", dtype="bfloat16", batch=1, seq_q=131, kv_heads=1, head_dim=128),
+    Case("causal"),
+    Case("causal_sq>sk_d128", batch=1, causal=True, seq_q=131, head_dim=128),  # rows that see nothing
+    Case("causal_bf16_sq<sk_gqa4", dtype="bfloat16", batch=1, causal=True, seq_k=131, kv_heads=1),
+    Case("window_left", window=(16, -1)),
+    Case("window_right", window=(-1, 8), seq_k=100, q_heads=2, kv_heads=1),
+    Case("window_both_sq>sk", window=(8, 8), seq_q=100),
+    Case("causal_window_257", batch=1, causal=True, window=(24, -1), seq_q=257, seq_k=257, q_heads=2, kv_heads=1),
+    Case("soft_cap_bf16_d256", dtype="bfloat16", soft_cap=4.0, batch=1, seq_q=40, seq_k=45, q_heads=2, kv_heads=1,
+         head_dim=256),
+    Case("sinks", sinks=True),
+    Case("sinks_causal_sq>sk", sinks=True, causal=True, seq_q=100, seq_k=40),
+    Case("bias_11_mha", bias="11", kv_heads=4),
+    Case("bias_B1_bf16", bias="B1", dtype="bfloat16"),
+    Case("bias_1H_f16_d256", bias="1H", dtype="float16", batch=1, seq_q=33, seq_k=70, q_heads=2, head_dim=256),
+    Case("bias_BH_f32_with_bf16", dtype="bfloat16", bias="BH", bias_dtype="float32", kv_heads=1),
+    Case("mask_BH", mask="BH"),
+    Case("mask_11_f16_gqa4", mask="11", dtype="float16", kv_heads=1),
+    Case("segments", segments=True),
+    Case("varlen", varlen=True),
+    Case("dropout", dropout=0.3),
+    Case("dropout_causal_bias_gqa4", dropout=0.2, causal=True, bias="1H", kv_heads=1),
+    Case("everything_bf16", dtype="bfloat16", causal=True, window=(40, -1), soft_cap=6.0, sinks=True,
+         bias="B1", mask="1H", segments=True, dropout=0.1, seq_q=70, seq_k=90),
+    Case("everything_varlen", varlen=True, causal=True, window=(12, 2), soft_cap=5.0, sinks=True,
+         bias="1H", mask="11", dropout=0.15, kv_heads=1),
+    Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
+         mask="B1", segments=True, dropout=0.25),
+]
+
+
+def make_inputs(case: Case, rng: np.random.Generator):
+    """(q, k, v, arrays, static): arrays holds the optional operands that are present."""
+    dtype = jnp.dtype(case.dtype)
+    batch, seq_q, seq_k = case.batch, case.seq_q, case.seq_k
+    if case.varlen:
+        batch, seq_q, seq_k = 1, VARLEN[2], VARLEN[3]
+
+    def normal(*shape, scale=1.0, dt=dtype):
+        return jnp.asarray(rng.standard_normal(shape) * scale, dt)
+
+    q = normal(batch, seq_q, case.q_heads, case.head_dim, scale=1.5)
+    k = normal(batch, seq_k, case.kv_heads, case.head_dim)
+    v = normal(batch, seq_k, case.kv_heads, case.head_dim)
+
+    def broadcast_shape(form):
+        return (batch if form[0] == "B" else 1, case.q_heads if form[1] == "H" else 1, seq_q, seq_k)
+
+    arrays = {}
+    if case.bias is not None:
+        arrays["bias"] = normal(*broadcast_shape(case.bias), dt=jnp.dtype(case.bias_dtype or case.dtype))
+    if case.mask is not None:
+        mask = rng.random(broadcast_shape(case.mask)) < 0.85
+        mask[..., rng.choice(seq_q, 3, replace=False), :] = False  # rows that see nothing
+        arrays["attention_mask"] = jnp.asarray(mask)
+    if case.sinks:
+        arrays["softmax_aux"] = normal(case.q_heads, dt=jnp.float32)
+    if case.varlen:
+        arrays["cum_seqlens_q"], arrays["cum_seqlens_k"] = jnp.asarray(VARLEN[0]), jnp.asarray(VARLEN[1])
+    if case.segments:
+        # Segment 2 has queries but no keys, so its rows see nothing.
+        arrays["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (batch, seq_q)), axis=1), jnp.int32)
+        arrays["kv_segment_ids"] = jnp.asarray(np.sort(rng.choice([0, 1, 3], (batch, seq_k)), axis=1), jnp.int32)
+    if case.dropout > 0:
+        arrays["dropout_seed"] = jnp.asarray(rng.integers(0, 2**32, dtype=np.uint32))
+    static = {
+        "softmax_scale": case.head_dim**-0.5,
+        "causal": case.causal,
+        "sliding_window": case.window,
+        "logits_soft_cap": case.soft_cap,
+        "dropout_prob": case.dropout,
+    }
+    return q, k, v, arrays, static
+
+
+def cotangents_for(q, rng):
+    dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    dlse = jnp.asarray(rng.standard_normal((q.shape[0], q.shape[2], q.shape[1])), jnp.float32)
+    return dout, dlse
+
+
+# Compiled programs are cached per implementation and static options, so tests that share
+# shapes share compilations.
+@functools.cache
+def _forward_program(fn, static_items):
+    static = dict(static_items)
+    return jax.jit(lambda q, k, v, arrays: fn(q, k, v, **arrays, **static))
+
+
+@functools.cache
+def _vjp_program(fn, static_items):
+    static = dict(static_items)
+
+    def program(primals, rest, cotangents):
+        def f(primals):
+            p = dict(primals)
+            return fn(p.pop("query"), p.pop("key"), p.pop("value"), **p, **rest, **static)
+
+        outputs, vjp = jax.vjp(f, primals)
+        return outputs, vjp(cotangents)[0]
+
+    return jax.jit(program)
+
+
+def forward(fn, q, k, v, arrays, static):
+    return _forward_program(fn, tuple(static.items()))(q, k, v, arrays)
+
+
+def forward_and_grads(fn, q, k, v, arrays, static, dout, dlse):
+    """((out, lse), grads): grads maps each differentiable input's name to its cotangent."""
+    primals = {"query": q, "key": k, "value": v, **{n: arrays[n] for n in DIFFERENTIABLE if n in arrays}}
+    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
+    return _vjp_program(fn, tuple(static.items()))(primals, rest, (dout, dlse))
+
+
+def assert_close(name: str, got, want, same_dtype) -> None:
+    """|got - want| <= 2 |same_dtype - want| + ~1e-6 relative, in max norm; infinities must match."""
+    got, want, approx = (np.asarray(x, np.float64) for x in (got, want, same_dtype))
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert not np.isnan(got).any(), f"{name}: NaN at {np.argwhere(np.isnan(got))[:5].tolist()}"
+    finite = np.isfinite(want)
+    assert np.array_equal(got[~finite], want[~finite]), f"{name}: infinities differ from the reference"
+    assert np.isfinite(got[finite]).all(), f"{name}: infinite where the reference is finite"
+    if not finite.any():
+        return
+    err = np.abs(got[finite] - want[finite]).max()
+    ref_err = np.abs(approx[finite] - want[finite]).max()
+    assert np.isfinite(ref_err), f"{name}: the same-dtype reference is not finite"
+    floor = 2.0**-20 * max(1.0, np.abs(want[finite]).max())
+    assert err <= 2 * ref_err + floor, (
+        f"{name}: max error {err:.3g} > 2 x same-dtype reference error {ref_err:.3g} + {floor:.2g}"
+    )
+
+
+def assert_same(name: str, got, want, rel: float = 1e-5) -> None:
+    """Agreement of two runs of one implementation that may only differ in summation order."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=name)
+    finite = np.isfinite(want)
+    scale = max(1.0, np.abs(want[finite]).max(initial=0.0))
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=rel * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_matches_reference(impl, case: Case, rng):
+    """out, lse and (where the implementation has a backward) every gradient."""
+    impl.require(*case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    kwargs = {**arrays, **static}
+    with_grads = impl.supports("backward")
+    if with_grads:
+        dout, dlse = cotangents_for(q, rng)
+        (out, lse), grads = forward_and_grads(impl.fn, q, k, v, arrays, static, dout, dlse)
+        want_out, want_lse, want = reference_grads(q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True)
+        approx_out, approx_lse, approx = reference_grads(
+            q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True, compute_dtype=q.dtype)
+    else:
+        out, lse = forward(impl.fn, q, k, v, arrays, static)
+        want_out, want_lse = attention_reference(q, k, v, **kwargs)
+        approx_out, approx_lse = attention_reference(q, k, v, **kwargs, compute_dtype=q.dtype)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert_close("out", out, want_out, approx_out)
+    assert_close("lse", lse, want_lse, approx_lse)
+    if with_grads:
+        assert set(grads) == set(want)
+        primals = {"query": q, "key": k, "value": v, **arrays}
+        for name in want:
+            assert grads[name].dtype == primals[name].dtype, f"d{name}: dtype {grads[name].dtype}"
+            assert_close(f"d{name}", grads[name], want[name], approx[name])
+
+
+def test_fully_masked_is_zero_and_finite(impl, rng):
+    """Nothing visible anywhere: out 0, lse -inf, and zero (not NaN) gradients."""
+    case = Case("masked", bias="B1", mask="11", sinks=False)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    arrays["attention_mask"] = jnp.zeros((1, 1, q.shape[1], k.shape[1]), bool)
+    (out, lse), grads = forward_and_grads(impl.fn, q, k, v, arrays, static, *cotangents_for(q, rng))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+    assert np.all(np.asarray(lse) == -np.inf)
+    for name, g in grads.items():
+        np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0, err_msg=name)
+
+
+def test_fmix32_known_values():
+    assert int(fmix32(0)) == 0
+    assert int(fmix32(1)) == 0x514E28B7
+    assert int(fmix32(2)) == 0x30F4C306
+    assert dropout_threshold(0.5) == 2**23
+    assert dropout_threshold(0.0) == 0
+
+
+def test_reference_keeps_x64_to_itself(rng):
+    q = rng.standard_normal((1, 5, 1, 8)).astype(np.float32)
+    out, lse = attention_reference(q, q, q, softmax_scale=0.5)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert jnp.asarray(1.0).dtype == jnp.float32
+
+
+def test_dropout_mask_is_the_hash(impl, rng):
+    """Uniform attention over one-hot values makes out reveal the kept mask:
+    out[b, i, h, j] = keep[b, h, i, j] / (seq_k (1 - p))."""
+    impl.require("dropout", "gqa")
+    batch, seq_q, seq_k, q_heads, kv_heads, prob = 2, 40, 64, 4, 2, 0.3
+    seed = int(rng.integers(0, 2**32))
+    q = jnp.asarray(rng.standard_normal((batch, seq_q, q_heads, seq_k)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, seq_k, kv_heads, seq_k)), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(seq_k, dtype=jnp.float32)[None, :, None, :], k.shape)
+    static = {"softmax_scale": 0.0, "causal": False, "sliding_window": None, "logits_soft_cap": None,
+              "dropout_prob": prob}
+    out, _ = forward(impl.fn, q, k, v, {"dropout_seed": jnp.asarray(seed, jnp.uint32)}, static)
+    scaled = np.asarray(out).transpose(0, 2, 1, 3) * seq_k * (1 - prob)
+    want = dropout_keep_mask(seed, batch, q_heads, seq_q, seq_k, prob)
+    np.testing.assert_array_equal(scaled > 0.5, want)
+    np.testing.assert_allclose(scaled[want], 1.0, rtol=1e-5)
+    kept = want.mean()
+    assert abs(kept - (1 - prob)) < 0.02, f"kept fraction {kept:.4f}, expected about {1 - prob}"
+
+
+def test_dropout_is_deterministic(impl, rng):
+    case = Case("dropout", dropout=0.4, causal=True)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    seed = int(arrays["dropout_seed"])
+    cotangents = cotangents_for(q, rng)
+    (out1, lse1), grads1 = forward_and_grads(impl.fn, q, k, v, arrays, static, *cotangents)
+    (out2, lse2), grads2 = forward_and_grads(impl.fn, q, k, v, arrays, static, *cotangents)
+    for name, a, b in [("out", out1, out2), ("lse", lse1, lse2)] + [(n, grads1[n], grads2[n]) for n in grads1]:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    out3, lse3 = forward(impl.fn, q, k, v, {**arrays, "dropout_seed": jnp.asarray(seed ^ 1, jnp.uint32)}, static)
+    assert not np.array_equal(np.asarray(out1), np.asarray(out3))
+    np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse3))  # dropout acts after the softmax
+
+
+def test_vmap(impl, rng):
+    """vmap over an extra leading axis, of the forward and of per-example gradients."""
+    case = Case("vmap", batch=1, seq_q=37, seq_k=50, causal=True, bias="1H", sinks=True)
+    impl.require(*case.features())
+    inputs = [make_inputs(case, rng) for _ in range(3)]
+    static = inputs[0][4]
+    q, k, v, arrays = jax.tree.map(lambda *xs: jnp.stack(xs), *[x[:4] for x in inputs])
+
+    def attention(q, k, v, arrays):
+        return impl.fn(q, k, v, **arrays, **static)
+
+    def loss(q, k, v, arrays):
+        out, lse = attention(q, k, v, arrays)
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    got_out, got_lse = jax.jit(jax.vmap(attention))(q, k, v, arrays)
+    for n, (qn, kn, vn, an, _) in enumerate(inputs):
+        out, lse = forward(impl.fn, qn, kn, vn, an, static)
+        assert_same("out", got_out[n], out)
+        assert_same("lse", got_lse[n], lse)
+    if not impl.supports("backward"):
+        return
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    got = jax.jit(jax.vmap(grad))(q, k, v, arrays)
+    for n, (qn, kn, vn, an, _) in enumerate(inputs):
+        want = jax.tree.leaves(jax.jit(grad)(qn, kn, vn, an))
+        for leaf, (a, b) in enumerate(zip(jax.tree.leaves(got), want)):
+            assert_same(f"gradient leaf {leaf}", a[n], b)
+
+
+def test_grad_and_checkpoint(impl, rng):
+    """jax.grad of a scalar loss, with and without jax.checkpoint, against the reference."""
+    case = Case("checkpoint", seq_q=45, seq_k=70, causal=True, bias="B1", sinks=True, soft_cap=5.0)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    dout, dlse = cotangents_for(q, rng)
+
+    def attention(q, k, v, bias, aux):
+        return impl.fn(q, k, v, bias=bias, softmax_aux=aux, **static)
+
+    def loss(attention, *args):  # linear in (out, lse), so its cotangents are (dout, dlse)
+        out, lse = attention(*args)
+        return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse)
+
+    args = (q, k, v, arrays["bias"], arrays["softmax_aux"])
+    plain = jax.jit(jax.grad(functools.partial(loss, attention), argnums=range(5)))(*args)
+    remat = jax.jit(jax.grad(functools.partial(loss, jax.checkpoint(attention)), argnums=range(5)))(*args)
+    for name, a, b in zip(DIFFERENTIABLE, plain, remat):
+        assert_same(name, a, b)
+    want = reference_grads(q, k, v, dout=dout, dlse=dlse, **arrays, **static)
+    approx = reference_grads(q, k, v, dout=dout, dlse=dlse, **arrays, **static, compute_dtype=q.dtype)
+    for name, g in zip(DIFFERENTIABLE, plain):
+        assert_close(f"d{name}", g, want[name], approx[name])
+
+
+def test_integer_and_bool_inputs_get_float0_cotangents(impl, rng):
+    case = Case("float0", mask="BH", segments=True, dropout=0.2)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    non_float = {n: arrays[n] for n in ("attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")}
+
+    @jax.jit
+    def grads(q, non_float):
+        out, vjp_fn = jax.vjp(lambda q, nf: impl.fn(q, k, v, **nf, **static)[0], q, non_float)
+        return vjp_fn(jnp.ones_like(out))
+
+    dq, dnf = grads(q, non_float)
+    assert dq.dtype == q.dtype and np.isfinite(np.asarray(dq, np.float32)).all()
+    for name, ct in dnf.items():
+        assert ct.dtype == jax.dtypes.float0, f"{name}: cotangent dtype {ct.dtype}"
+
+
+@pytest.mark.parametrize("axis", ["batch", "heads"])
+def test_shard_map(impl, rng, axis):
+    devices = min(4, jax.device_count())
+    if devices < 2:
+        pytest.skip("needs several devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    case = Case("shard", batch=4, q_heads=8, kv_heads=4, seq_q=40, seq_k=56, causal=True, bias="1H", sinks=True)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    mesh = jax.make_mesh((devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    if axis == "batch":
+        qkv, bias, aux, lse = P("x"), P(), P(), P("x")
+    else:  # q heads and kv heads split alike, so every shard keeps its GQA groups
+        qkv, bias, aux, lse = P(None, None, "x"), P(None, "x"), P("x"), P(None, "x")
+
+    def attention(q, k, v, bias, aux):
+        return impl.fn(q, k, v, bias=bias, softmax_aux=aux, **static)
+
+    sharded = jax.shard_map(attention, mesh=mesh, in_specs=(qkv, qkv, qkv, bias, aux), out_specs=(qkv, lse))
+
+    def loss(attention, *args):
+        out, lse = attention(*args)
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    args = (q, k, v, arrays["bias"], arrays["softmax_aux"])
+    for name, a, b in zip(("out", "lse"), jax.jit(sharded)(*args), jax.jit(attention)(*args)):
+        assert_same(name, a, b)
+    grads = jax.jit(jax.grad(functools.partial(loss, sharded), argnums=range(5)))(*args)
+    want = jax.jit(jax.grad(functools.partial(loss, attention), argnums=range(5)))(*args)
+    for name, a, b in zip(DIFFERENTIABLE, grads, want):
+        assert_same(name, a, b)
+
+
+# The XLA implementation's own properties.
+
+
+@pytest.mark.parametrize("blocks", [(8, 8), (24, 40), (128, 128)])
+def test_xla_block_sizes(blocks, rng):
+    from ejkernel.kernels.flash_attention._xla import flash_attention_xla
+
+    fn = functools.partial(flash_attention_xla, block_q=blocks[0], block_k=blocks[1])
+    case = Case("blocks", seq_q=75, seq_k=61, causal=True, window=(20, 3), bias="B1", sinks=True, dropout=0.1)
+    q, k, v, arrays, static = make_inputs(case, rng)
+    dout, dlse = cotangents_for(q, rng)
+    (out, lse), grads = forward_and_grads(fn, q, k, v, arrays, static, dout, dlse)
+    kwargs = dict(dout=dout, dlse=dlse, **arrays, **static, return_outputs=True)
+    want_out, want_lse, want = reference_grads(q, k, v, **kwargs)
+    approx_out, approx_lse, approx = reference_grads(q, k, v, **kwargs, compute_dtype=q.dtype)
+    assert_close("out", out, want_out, approx_out)
+    assert_close("lse", lse, want_lse, approx_lse)
+    for name in want:
+        assert_close(f"d{name}", grads[name], want[name], approx[name])
+
+
+def test_xla_small_inputs_use_small_blocks():
+    from ejkernel.kernels.flash_attention._xla import _block_size
+
+    assert _block_size(128, 5) == 8
+    assert _block_size(128, 67) == 72
+    assert _block_size(128, 1000) == 128
+    assert _block_size(16, 5) == 8
+
+
+@pytest.mark.parametrize("seq_q,seq_k", [(0, 9), (9, 0)])
+def test_xla_empty_sequences(seq_q, seq_k, rng):
+    from ejkernel.kernels.flash_attention._xla import flash_attention_xla
+
+    q = jnp.asarray(rng.standard_normal((1, seq_q, 2, 8)), jnp.float32)
+    k = v = jnp.asarray(rng.standard_normal((1, seq_k, 2, 8)), jnp.float32)
+    aux = jnp.asarray(rng.standard_normal(2), jnp.float32)
+    out, lse = flash_attention_xla(q, k, v, softmax_aux=aux, softmax_scale=1.0)
+    assert out.shape == q.shape and lse.shape == (1, 2, seq_q)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(np.asarray(aux)[None, :, None], lse.shape))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xla_memory_is_linear(causal):
+    """Neither pass allocates anything near a [seq_q, seq_k] score matrix: temporaries stay
+    a few copies of the inputs (one score matrix would be 128 of them here)."""
+    from ejkernel.kernels.flash_attention._xla import flash_attention_xla
+
+    seq, head_dim = 8192, 64
+    q = jax.ShapeDtypeStruct((1, seq, 1, head_dim), jnp.float32)
+
+    def loss(q, k, v):
+        out, lse = flash_attention_xla(q, k, v, softmax_scale=0.125, causal=causal)
+        return jnp.sum(out) + jnp.sum(lse)
+
+    input_bytes = seq * head_dim * 4
+    for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
+        temp = jax.jit(fn).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+        assert temp < 8 * input_bytes, f"{temp} bytes of temporaries for {input_bytes}-byte inputs"

@@ -288,6 +288,11 @@ def choose_platform(
         reason = _registry.unavailable_reason(kernel.name, platform)
         if reason is not None:
             raise ValueError(f"platform '{platform.value}' is unavailable for {kernel.name}: {reason}")
+        backend, device_platform = _args_backend((inv.args, dict(inv.kwargs)))
+        if not platform.serves(backend):
+            raise ValueError(
+                f"platform '{platform.value}' of {kernel.name} cannot run on the arguments' device ({device_platform})"
+            )
         chosen = inv.with_platform(platform)
         missing = list(kernel.unsupported_features(chosen, platform))
         if missing:

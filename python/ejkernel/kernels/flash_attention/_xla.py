@@ -25,6 +25,8 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 _F32 = jnp.float32
+# Full float32 products: on GPUs the default precision rounds float32 operands to TF32.
+_EXACT = jax.lax.Precision.HIGHEST
 _DROPOUT_SALT = np.uint32(0x9E3779B9)
 
 
@@ -118,7 +120,7 @@ def _visible(st: _Static, qi: Array, kj: Array, shape: tuple[int, ...], mask: An
 
 def _logits(st: _Static, qb: Array, kb: Array, qi: Array, kj: Array, bias: Any, mask: Any, meta: dict):
     """Logits of block (qi, kj) in f32 with hidden ones at -inf, and tanh(logit / cap) (None without cap)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qb, kb, preferred_element_type=_F32) * np.float32(st.softmax_scale)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qb, kb, preferred_element_type=_F32, precision=_EXACT) * np.float32(st.softmax_scale)
     shape = s.shape
     tanh = None
     if st.logits_soft_cap is not None:
@@ -173,7 +175,7 @@ def _forward(st: _Static, q, k, v, bias, aux, mask, meta, seed):
             l = alpha * l + p.sum(-1)
             if row_keys is not None:
                 p = p * _dropout_multiplier(st, row_keys, kj, block_k)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _at(v, kj), preferred_element_type=_F32)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _at(v, kj), preferred_element_type=_F32, precision=_EXACT)
             return m_new, l, alpha[..., None] * acc + pv
 
         start, stop = _loop_bounds(meta["k_blocks"], qi, nk)
@@ -215,21 +217,21 @@ def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout,
             qb, dob = _at(q, qi), _at(dout, qi)
             s, tanh = _logits(st, qb, kb, qi, kj, bias, mask, meta)
             p = jnp.exp(s - _at(lse_ref, qi)[..., None])
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", dob, vb, preferred_element_type=_F32)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", dob, vb, preferred_element_type=_F32, precision=_EXACT)
             p_dropped = p
             if st.dropout_prob > 0:
                 z = _dropout_multiplier(st, _dropout_row_keys(seed, qi, batch, kv_heads, group, block_q), kj, block_k)
                 p_dropped, dp = p * z, dp * z
-            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_dropped.astype(dtype), dob, preferred_element_type=_F32)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_dropped.astype(dtype), dob, preferred_element_type=_F32, precision=_EXACT)
             ds = p * (dp - _at(delta, qi)[..., None])  # d loss / d logit (after soft cap and bias)
             if dbias is not None:
                 dbias = lax.dynamic_update_index_in_dim(dbias, _reduce_to_bias(ds, bias.shape), qi, 0)
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
             ds = (ds * scale).astype(dtype)
-            dq_block = _at(dq, qi) + jnp.einsum("bhgqk,bhkd->bhgqd", ds, kb, preferred_element_type=_F32)
+            dq_block = _at(dq, qi) + jnp.einsum("bhgqk,bhkd->bhgqd", ds, kb, preferred_element_type=_F32, precision=_EXACT)
             dq = lax.dynamic_update_index_in_dim(dq, dq_block, qi, 0)
-            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=_F32)
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=_F32, precision=_EXACT)
             return dk, dv, dq, dbias
 
         dbias0 = None

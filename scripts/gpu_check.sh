@@ -19,7 +19,7 @@ start=$(date +%s)
 echo "build: $(( $(date +%s) - start )) s"
 "$PYTHON" -X faulthandler -m ejkernel 2>&1 | tee "$OUT/info.txt"
 
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/flash_attention/test_flash_attention.py -k cuda 2>&1 | tee "$OUT/tests.log" | tail -15
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/flash_attention/test_flash_attention.py -k "cuda or xla" 2>&1 | tee "$OUT/tests.log" | tail -15
 
 for tool in memcheck racecheck; do
   timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 --target-processes all \

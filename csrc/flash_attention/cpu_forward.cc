@@ -116,14 +116,18 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
   const int64_t kv_stride = Hkv * D, kv_bytes = DTypeSize(p.k.dtype);
   const char* k_rows = static_cast<const char*>(p.k.data) + ((b * Sk) * Hkv + kvh) * D * kv_bytes;
   const char* v_rows = static_cast<const char*>(p.v.data) + ((b * Sk) * Hkv + kvh) * D * kv_bytes;
-  const auto prefetch_keys = [&](int64_t j) {
-    cpu::PrefetchRow(k_rows + j * kv_stride * kv_bytes, D * kv_bytes);
-    cpu::PrefetchRow(v_rows + j * kv_stride * kv_bytes, D * kv_bytes);
+  const auto key_rows = [&](int64_t j, int64_t rows, int64_t steps) {
+    cpu::Prefetcher f;
+    f.Add(k_rows + j * kv_stride * kv_bytes, rows, kv_stride * kv_bytes, D * kv_bytes);
+    f.Add(v_rows + j * kv_stride * kv_bytes, rows, kv_stride * kv_bytes, D * kv_bytes);
+    f.Spread(steps);
+    return f;
   };
-  for (int64_t j = key_begin; j < std::min(key_end, key_begin + c.block_k); ++j) prefetch_keys(j);
+  key_rows(key_begin, std::min(c.block_k, key_end - key_begin), 1).Step();
   for (int64_t j0 = key_begin; j0 < key_end; j0 += c.block_k) {
     const int64_t nk = std::min(c.block_k, key_end - j0);
-    const int64_t next_nk = std::max<int64_t>(0, std::min(c.block_k, key_end - j0 - c.block_k));
+    cpu::Prefetcher next = key_rows(j0 + nk, std::min(c.block_k, key_end - j0 - nk),
+                                    cpu::MicroTileCount(nk, nvr) + cpu::MicroTileCount(D, nvr));
     const int64_t kv_offset = ((b * Sk + j0) * Hkv + kvh) * D;
     const float *keys = kt, *values = vt;
     int64_t ld = Dp;
@@ -136,7 +140,7 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
       cpu::LoadRows(p.v, kv_offset, kv_stride, nk, D, vt, Dp);
     }
 
-    cpu::Gemm<Accumulate::kOverwrite>(nk, nvr, D, keys, ld, 1, qt, BQp, st, BQp);
+    cpu::Gemm<Accumulate::kOverwrite>(nk, nvr, D, keys, ld, 1, qt, BQp, st, BQp, nullptr, &next);
     if (c.cap > 0.0f) SoftCap(st, nk * BQp, c.cap);
     if (p.bias.present()) {
       for (int64_t r = 0; r < nr; ++r) {
@@ -179,12 +183,10 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
       const VecF ref = cpu::Select(m_new == cpu::Splat(-kInf), VecF{}, m_new);
       const VecF a = cpu::Exp(m_old - ref);
       VecF sum{};
-      const int64_t prefetch = v == 0 ? next_nk : 0;
       if (c.dropout) {
         const VecU row_key = cpu::LoadU(s.row_key.data() + v * kLanes);
         const VecU threshold = cpu::SplatU(c.dropout_threshold);
         for (int64_t j = 0; j < nk; ++j) {
-          if (j < prefetch) prefetch_keys(j0 + c.block_k + j);
           const VecF e = cpu::Exp(cpu::LoadF(col + j * BQp) - ref);
           sum += e;
           const VecU hash = cpu::Fmix32(cpu::SplatU(static_cast<uint32_t>(j0 + j)) ^ row_key);
@@ -192,7 +194,6 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
         }
       } else {
         for (int64_t j = 0; j < nk; ++j) {
-          if (j < prefetch) prefetch_keys(j0 + c.block_k + j);
           const VecF e = cpu::Exp(cpu::LoadF(col + j * BQp) - ref);
           sum += e;
           cpu::StoreF(col + j * BQp, e);
@@ -202,8 +203,8 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
       cpu::StoreF(m + v * kLanes, m_new);
       cpu::StoreF(alpha + v * kLanes, a);
     }
-    // O^T = diag(alpha) O^T + V^T P^T, with V^T read from the V tile by broadcasts.
-    cpu::Gemm<Accumulate::kScaleAdd>(D, nvr, nk, values, 1, ld, st, BQp, ot, BQp, alpha);
+    // O^T = O^T diag(alpha) + V^T P^T, with V^T read from the V tile by broadcasts.
+    cpu::Gemm<Accumulate::kScaleAdd>(D, nvr, nk, values, 1, ld, st, BQp, ot, BQp, alpha, &next);
   }
 
   for (int64_t r = 0; r < nr; ++r) {

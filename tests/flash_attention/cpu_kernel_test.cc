@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "flash_attention/cpu_common.h"
 #include "flash_attention/params.h"
 #include "flash_attention/semantics.h"
 #include "runtime/tensor.h"
@@ -496,6 +497,10 @@ std::vector<Case> Cases() {
   add("CausalMoreQueriesThanKeys", [](Case& c) { c.causal = true; c.seqlen_q = 70; c.seqlen_k = 41; });
   add("WindowLeft", [](Case& c) { c.window_left = 9; });
   add("WindowRight", [](Case& c) { c.window_right = 4; });
+  add("LongWindowDefaultBlocks", [](Case& c) {
+    c.batch = 1; c.seqlen_q = 700; c.seqlen_k = 650; c.q_heads = 2; c.kv_heads = 1; c.causal = true;
+    c.window_left = 90; c.cfg = CpuConfig{};
+  });
   add("WindowBoth", [](Case& c) { c.window_left = 20; c.window_right = 0; c.seqlen_q = 90; c.seqlen_k = 90; });
   add("SoftCap", [](Case& c) { c.soft_cap = 2.5f; c.input_scale = 2.0; });
   add("Sinks", [](Case& c) { c.sinks = true; });
@@ -605,7 +610,7 @@ TEST(FlashAttentionCpuDeterminism, BackwardIndependentOfThreads) {
     Tensors t = MakeInputs(c, rng);
     ASSERT_TRUE(ForwardCpu(MakeForwardParams(c, t), c.cfg).ok());
     std::vector<std::vector<unsigned char>> first;
-    for (int threads : {1, 2, 3}) {
+    for (int threads : {1, 2, 3, 8}) {
       CpuConfig cfg = c.cfg;
       cfg.num_threads = threads;
       for (HostTensor* x : {&t.dq, &t.dk, &t.dv, &t.dbias, &t.daux}) x->Poison();
@@ -623,6 +628,40 @@ TEST(FlashAttentionCpuDeterminism, BackwardIndependentOfThreads) {
       }
     }
   }
+}
+
+// The kernels' vector exp and tanh, in units in the last place of the f32 result.
+TEST(FlashAttentionCpuMath, ExpAndTanhAccuracy) {
+  using cpu::kLanes;
+  const auto ulps = [](float got, double want) {
+    return std::abs(got - want) / std::ldexp(1.0, std::ilogb(static_cast<float>(want)) - 23);
+  };
+  double worst_exp = 0.0, worst_tanh = 0.0;
+  for (double x0 = -86.0; x0 < 88.0; x0 += 0.0013 * kLanes) {
+    cpu::VecF x;
+    for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(std::min(x0 + 0.0013 * i, 88.0));
+    const cpu::VecF e = cpu::Exp(x);
+    for (int i = 0; i < kLanes; ++i) {
+      const double want = std::exp(static_cast<double>(x[i]));
+      if (want >= 1.2e-38) worst_exp = std::max(worst_exp, ulps(e[i], want));
+    }
+  }
+  for (double x0 = -12.0; x0 < 12.0; x0 += 0.00007 * kLanes) {
+    cpu::VecF x;
+    for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(x0 + 0.00007 * i);
+    const cpu::VecF t = cpu::Tanh(x);
+    for (int i = 0; i < kLanes; ++i) {
+      const double want = std::tanh(static_cast<double>(x[i]));
+      if (want != 0.0) worst_tanh = std::max(worst_tanh, ulps(t[i], want));
+    }
+  }
+  EXPECT_LE(worst_exp, 1.5);
+  EXPECT_LE(worst_tanh, 3.0);
+  const cpu::VecF special = cpu::Exp(cpu::Splat(-std::numeric_limits<float>::infinity()));
+  EXPECT_EQ(special[0], 0.0f);
+  EXPECT_EQ(cpu::Exp(cpu::Splat(0.0f))[0], 1.0f);
+  EXPECT_EQ(cpu::Tanh(cpu::Splat(1e30f))[0], 1.0f);
+  EXPECT_EQ(cpu::Tanh(cpu::Splat(-1e30f))[0], -1.0f);
 }
 
 // --- validation -----------------------------------------------------------------------

@@ -195,7 +195,7 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
       VecF dpv = cpu::LoadF(dsrow + v * kLanes);
       VecF kept = pv;
       if (c.dropout) {
-        const VecU hash = cpu::Fmix32(reinterpret_cast<VecU>(key) ^ row_key);
+        const VecU hash = Fmix32(reinterpret_cast<VecU>(key) ^ row_key);
         const VecF z = cpu::Select((hash >> 8) >= cpu::SplatU(c.dropout_threshold),
                                    cpu::Splat(c.keep_scale), VecF{});
         kept = pv * z;

@@ -131,15 +131,6 @@ inline VecF Tanh(VecF x) {
   return Select(ax < Splat(0.3f), small, signed_large);
 }
 
-// The dropout hash of semantics.h on a vector of key indices.
-inline VecU Fmix32(VecU x) {
-  x ^= x >> 16;
-  x *= 0x85ebca6bu;
-  x ^= x >> 13;
-  x *= 0xc2b2ae35u;
-  x ^= x >> 16;
-  return x;
-}
 
 // --- GEMM micro-kernel ----------------------------------------------------------------
 //

@@ -189,7 +189,7 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
         for (int64_t j = 0; j < nk; ++j) {
           const VecF e = cpu::Exp(cpu::LoadF(col + j * BQp) - ref);
           sum += e;
-          const VecU hash = cpu::Fmix32(cpu::SplatU(static_cast<uint32_t>(j0 + j)) ^ row_key);
+          const VecU hash = Fmix32(cpu::SplatU(static_cast<uint32_t>(j0 + j)) ^ row_key);
           cpu::StoreF(col + j * BQp, cpu::Select((hash >> 8) >= threshold, e, VecF{}));
         }
       } else {

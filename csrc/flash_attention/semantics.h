@@ -69,8 +69,10 @@ EJK_HOST_DEVICE float SoftCapGrad(float capped, float cap) {
   return 1.0f - t * t;
 }
 
-// MurmurHash3's 32-bit finaliser: a bijection with full avalanche.
-EJK_HOST_DEVICE uint32_t Fmix32(uint32_t x) {
+// MurmurHash3's 32-bit finaliser: a bijection with full avalanche. A template so the CPU
+// kernel can run it on vectors of uint32 lanes too.
+template <typename U32>
+EJK_HOST_DEVICE U32 Fmix32(U32 x) {
   x ^= x >> 16;
   x *= 0x85ebca6bu;
   x ^= x >> 13;

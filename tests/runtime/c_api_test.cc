@@ -17,6 +17,7 @@
 #include "runtime/config_cache.h"
 #include "runtime/device.h"
 #include "runtime/registry.h"
+#include "test_util.h"
 
 extern "C" {
 const char* ejk_version(void);
@@ -38,21 +39,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "ejk_c_api_test_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ejk::testing::TempDir;
 
 // Takes ownership of a returned string, as Python's _take_string does.
 std::optional<std::string> Take(char* text) {

@@ -17,27 +17,14 @@
 #include <gtest/gtest.h>
 
 #include "runtime/log.h"
+#include "test_util.h"
 
 namespace ejk {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "ejk_cache_test_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ejk::testing::TempDir;
 
 CacheKey Key(std::string signature, std::string op = "test_op", int version = 1) {
   return CacheKey{std::move(op), version, std::move(signature), "causal=1", "cpu-model-x"};

@@ -11,27 +11,13 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+#include "test_util.h"
 
 namespace ejk {
 namespace {
 
-namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "ejk_select_test_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ejk::testing::TempDir;
 
 const Config kExplicit = {{"from", "explicit"}};
 const Config kOverlay = {{"from", "overlay"}};

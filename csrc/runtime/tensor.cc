@@ -63,6 +63,7 @@ int64_t TensorView::NumElements() const {
 }
 
 bool TensorView::IsContiguous() const {
+  if (NumElements() == 0) return true;  // no element to address, whatever the strides
   int64_t stride = 1;
   for (int i = rank - 1; i >= 0; --i) {
     if (shape[i] != 1 && strides[i] != stride) return false;

@@ -173,3 +173,16 @@ TEST(HalfFloatTest, RandomFloatsMatchReferenceRounding) {
 
 }  // namespace
 }  // namespace ejk
+
+namespace ejk {
+namespace {
+
+TEST(TensorViewTest, EmptyContiguousViewPassesChecks) {
+  float dummy = 0.0f;
+  const TensorView empty = TensorView::Contiguous(&dummy, DType::kF32, {2, 0, 3});
+  EXPECT_TRUE(empty.IsContiguous());
+  EXPECT_TRUE(CheckTensor(empty, "empty", 3, {DType::kF32}).ok());
+}
+
+}  // namespace
+}  // namespace ejk

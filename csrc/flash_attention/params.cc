@@ -24,17 +24,6 @@ std::string ShapeStr(std::initializer_list<int64_t> dims) {
   return s + "]";
 }
 
-// CheckTensor, except that a tensor without elements needs only the right rank and dtype:
-// nothing is read from it, and TensorView::IsContiguous rejects even the strides that
-// TensorView::Contiguous gives a shape with a zero extent.
-Status CheckOperand(const TensorView& t, const char* name, int rank, std::initializer_list<DType> dtypes) {
-  if (t.rank == rank && t.NumElements() == 0 &&
-      std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end()) {
-    return Status::Ok();
-  }
-  return CheckTensor(t, name, rank, dtypes);
-}
-
 // Optional operands are absent as default (rank 0) views; a view of too high a rank has
 // rank -1, counts as given, and CheckTensor rejects it.
 bool Given(const TensorView& t) { return t.rank != 0; }
@@ -82,9 +71,9 @@ constexpr std::initializer_list<DType> kFloatDTypes = {DType::kF32, DType::kBF16
 }  // namespace
 
 StatusOr<Dims> ValidateForward(const ForwardParams& p) {
-  EJK_RETURN_IF_ERROR(CheckOperand(p.q, "query", 4, kInputDTypes));
-  EJK_RETURN_IF_ERROR(CheckOperand(p.k, "key", 4, kInputDTypes));
-  EJK_RETURN_IF_ERROR(CheckOperand(p.v, "value", 4, kInputDTypes));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.q, "query", 4, kInputDTypes));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.k, "key", 4, kInputDTypes));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.v, "value", 4, kInputDTypes));
   EJK_RETURN_IF_ERROR(CheckNonNegative(p.q, "query"));
   EJK_RETURN_IF_ERROR(CheckNonNegative(p.k, "key"));
   EJK_RETURN_IF_ERROR(CheckNonNegative(p.v, "value"));
@@ -119,15 +108,15 @@ StatusOr<Dims> ValidateForward(const ForwardParams& p) {
   if (Sk > kMaxSeq) return Invalid("key: seq_len_k must be below 2^31, got " + p.k.ToString());
 
   if (Given(p.bias)) {
-    EJK_RETURN_IF_ERROR(CheckOperand(p.bias, "bias", 4, kFloatDTypes));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.bias, "bias", 4, kFloatDTypes));
     EJK_RETURN_IF_ERROR(CheckBroadcast(p.bias, "bias", p));
   }
   if (Given(p.mask)) {
-    EJK_RETURN_IF_ERROR(CheckOperand(p.mask, "attention_mask", 4, {DType::kBool, DType::kU8}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.mask, "attention_mask", 4, {DType::kBool, DType::kU8}));
     EJK_RETURN_IF_ERROR(CheckBroadcast(p.mask, "attention_mask", p));
   }
   if (Given(p.softmax_aux)) {
-    EJK_RETURN_IF_ERROR(CheckOperand(p.softmax_aux, "softmax_aux", 1, kFloatDTypes));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.softmax_aux, "softmax_aux", 1, kFloatDTypes));
     EJK_RETURN_IF_ERROR(CheckShape(p.softmax_aux, "softmax_aux", {Hq}, "num_q_heads; query " + p.q.ToString()));
   }
 
@@ -139,8 +128,8 @@ StatusOr<Dims> ValidateForward(const ForwardParams& p) {
                      (Given(p.cu_seqlens_q) ? "cum_seqlens_q " + p.cu_seqlens_q.ToString()
                                             : "cum_seqlens_k " + p.cu_seqlens_k.ToString()));
     }
-    EJK_RETURN_IF_ERROR(CheckOperand(p.cu_seqlens_q, "cum_seqlens_q", 1, {DType::kI32}));
-    EJK_RETURN_IF_ERROR(CheckOperand(p.cu_seqlens_k, "cum_seqlens_k", 1, {DType::kI32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.cu_seqlens_q, "cum_seqlens_q", 1, {DType::kI32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.cu_seqlens_k, "cum_seqlens_k", 1, {DType::kI32}));
     if (p.cu_seqlens_q.dim(0) < 2) {
       return Invalid("cum_seqlens_q must have shape [num_sequences + 1] with at least 2 entries, got " +
                      p.cu_seqlens_q.ToString());
@@ -161,8 +150,8 @@ StatusOr<Dims> ValidateForward(const ForwardParams& p) {
                                              : "kv_segment_ids " + p.kv_segment_ids.ToString()));
     }
     if (varlen) return Invalid("q_segment_ids: use either cum_seqlens_q/k or q/kv_segment_ids, not both");
-    EJK_RETURN_IF_ERROR(CheckOperand(p.q_segment_ids, "q_segment_ids", 2, {DType::kI32}));
-    EJK_RETURN_IF_ERROR(CheckOperand(p.kv_segment_ids, "kv_segment_ids", 2, {DType::kI32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.q_segment_ids, "q_segment_ids", 2, {DType::kI32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.kv_segment_ids, "kv_segment_ids", 2, {DType::kI32}));
     EJK_RETURN_IF_ERROR(CheckShape(p.q_segment_ids, "q_segment_ids", {B, Sq}, "batch, seq_len_q; query " + p.q.ToString()));
     EJK_RETURN_IF_ERROR(CheckShape(p.kv_segment_ids, "kv_segment_ids", {B, Sk}, "batch, seq_len_k; key " + p.k.ToString()));
   }
@@ -181,9 +170,9 @@ StatusOr<Dims> ValidateForward(const ForwardParams& p) {
     return Invalid("softmax_scale must be finite, got " + FloatStr(p.softmax_scale));
   }
 
-  EJK_RETURN_IF_ERROR(CheckOperand(p.out, "out", 4, {p.q.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.out, "out", 4, {p.q.dtype}));
   EJK_RETURN_IF_ERROR(CheckShape(p.out, "out", {B, Sq, Hq, D}, "like query " + p.q.ToString()));
-  EJK_RETURN_IF_ERROR(CheckOperand(p.lse, "lse", 3, {DType::kF32}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.lse, "lse", 3, {DType::kF32}));
   EJK_RETURN_IF_ERROR(CheckShape(p.lse, "lse", {B, Hq, Sq}, "batch, num_q_heads, seq_len_q; query " + p.q.ToString()));
 
   return Dims{B, Sq, Sk, Hq, Hkv, D, num_sequences, varlen};
@@ -196,21 +185,21 @@ StatusOr<Dims> ValidateBackward(const BackwardParams& p) {
   const int64_t Hkv = d.num_kv_heads, D = d.head_dim;
   const std::string like_q = "like query " + f.q.ToString();
   const std::string like_k = "like key " + f.k.ToString();
-  EJK_RETURN_IF_ERROR(CheckOperand(p.dout, "dout", 4, {f.q.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.dout, "dout", 4, {f.q.dtype}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dout, "dout", {B, Sq, Hq, D}, like_q));
   if (Given(p.dlse)) {
-    EJK_RETURN_IF_ERROR(CheckOperand(p.dlse, "dlse", 3, {DType::kF32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.dlse, "dlse", 3, {DType::kF32}));
     EJK_RETURN_IF_ERROR(CheckShape(p.dlse, "dlse", {B, Hq, Sq}, "like lse " + f.lse.ToString()));
   }
-  EJK_RETURN_IF_ERROR(CheckOperand(p.dq, "dq", 4, {f.q.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.dq, "dq", 4, {f.q.dtype}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dq, "dq", {B, Sq, Hq, D}, like_q));
-  EJK_RETURN_IF_ERROR(CheckOperand(p.dk, "dk", 4, {f.k.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.dk, "dk", 4, {f.k.dtype}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dk, "dk", {B, Sk, Hkv, D}, like_k));
-  EJK_RETURN_IF_ERROR(CheckOperand(p.dv, "dv", 4, {f.v.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.dv, "dv", 4, {f.v.dtype}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dv, "dv", {B, Sk, Hkv, D}, like_k));
   if (Given(p.dbias)) {
     if (!Given(f.bias)) return Invalid("dbias " + p.dbias.ToString() + " given without bias");
-    EJK_RETURN_IF_ERROR(CheckOperand(p.dbias, "dbias", 4, {DType::kF32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.dbias, "dbias", 4, {DType::kF32}));
     EJK_RETURN_IF_ERROR(CheckShape(p.dbias, "dbias",
                                    {f.bias.dim(0), f.bias.dim(1), f.bias.dim(2), f.bias.dim(3)},
                                    "like bias " + f.bias.ToString()));
@@ -219,7 +208,7 @@ StatusOr<Dims> ValidateBackward(const BackwardParams& p) {
     if (!Given(f.softmax_aux)) {
       return Invalid("dsoftmax_aux " + p.dsoftmax_aux.ToString() + " given without softmax_aux");
     }
-    EJK_RETURN_IF_ERROR(CheckOperand(p.dsoftmax_aux, "dsoftmax_aux", 1, {DType::kF32}));
+    EJK_RETURN_IF_ERROR(CheckTensor(p.dsoftmax_aux, "dsoftmax_aux", 1, {DType::kF32}));
     EJK_RETURN_IF_ERROR(CheckShape(p.dsoftmax_aux, "dsoftmax_aux", {Hq}, "like softmax_aux " + f.softmax_aux.ToString()));
   }
   return d;

@@ -242,6 +242,18 @@ EJK_EXPORT char* ejk_op_config_candidates(const char* op, const char* platform,
   });
 }
 
+// "" when the best implementation of (op, platform) serves the signature, else the reason.
+EJK_EXPORT char* ejk_op_unsupported_reason(const char* op, const char* platform,
+                                           const char* signature_json) {
+  return Guarded<char*>(nullptr, [&]() -> char* {
+    ejk::StatusOr<nlohmann::json> signature = ejk::ParseSignature(signature_json);
+    if (!signature.ok()) return ejk::ReturnError(signature.status());
+    auto entry = ejk::BestEntryWith(op, platform, [](const ejk::KernelEntry&) { return true; }, "an entry");
+    if (!entry.ok()) return ejk::ReturnError(entry.status());
+    return ejk::CopyToMalloc(entry->unsupported ? entry->unsupported(*signature) : std::string());
+  });
+}
+
 EJK_EXPORT const char* ejk_last_error(void) { return ejk::last_error.c_str(); }
 
 EJK_EXPORT void ejk_free(char* ptr) { std::free(ptr); }

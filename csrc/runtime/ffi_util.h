@@ -23,6 +23,7 @@ inline StatusOr<DType> DTypeFromFfi(xla::ffi::DataType t) {
     case DataType::U32: return DType::kU32;
     case DataType::U8: return DType::kU8;
     case DataType::PRED: return DType::kBool;
+    case DataType::F8E4M3FN: return DType::kF8E4M3;
     default: return Status::InvalidArgument("unsupported XLA element type");
   }
 }

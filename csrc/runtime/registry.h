@@ -40,6 +40,9 @@ struct KernelEntry {
   std::vector<FfiTarget> ffi_targets;
   std::function<Config(const nlohmann::json& signature)> heuristic;                // may be empty
   std::function<std::vector<Config>(const nlohmann::json& signature)> candidates;  // may be empty
+  // Why this implementation cannot serve a call with this signature (dtype, head_dim, ...),
+  // or "" when it can; callers fall back to another platform and log the reason. May be empty.
+  std::function<std::string(const nlohmann::json& signature)> unsupported;
 };
 
 // Thread-safe.

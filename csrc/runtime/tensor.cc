@@ -15,6 +15,7 @@ const char* DTypeName(DType dtype) {
     case DType::kU32: return "uint32";
     case DType::kU8: return "uint8";
     case DType::kBool: return "bool";
+    case DType::kF8E4M3: return "float8_e4m3fn";
   }
   return "unknown";
 }
@@ -29,7 +30,8 @@ int64_t DTypeSize(DType dtype) {
     case DType::kF16:
     case DType::kBF16: return 2;
     case DType::kU8:
-    case DType::kBool: return 1;
+    case DType::kBool:
+    case DType::kF8E4M3: return 1;
   }
   return 0;
 }

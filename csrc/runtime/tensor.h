@@ -17,7 +17,8 @@
 
 namespace ejk {
 
-enum class DType : int32_t { kF32 = 0, kF16, kBF16, kF64, kI32, kI64, kU32, kU8, kBool };
+// kF8E4M3: float8 e4m3fn (no infinities, one NaN pattern), the usual quantised KV-cache type.
+enum class DType : int32_t { kF32 = 0, kF16, kBF16, kF64, kI32, kI64, kU32, kU8, kBool, kF8E4M3 };
 
 const char* DTypeName(DType dtype);
 int64_t DTypeSize(DType dtype);
@@ -124,6 +125,25 @@ EJK_HOST_DEVICE uint16_t FloatToF16(float f) {
   }
   uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u);
   return static_cast<uint16_t>(sign | ((r - (112u << 23)) >> 13));
+}
+
+// float8 e4m3fn -> float: 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7f/0xff are NaN.
+EJK_HOST_DEVICE float F8E4M3ToFloat(uint8_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24;
+  const uint32_t exp = (bits >> 3) & 0xfu;
+  const uint32_t mant = bits & 0x7u;
+  uint32_t u;
+  if (exp == 0xfu && mant == 0x7u) {
+    u = sign | 0x7fc00000u;
+  } else if (exp == 0) {  // zero or subnormal: mant * 2^-9
+    float f = static_cast<float>(mant) * 0.001953125f;
+    return sign ? -f : f;
+  } else {
+    u = sign | ((exp + 127 - 7) << 23) | (mant << 20);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
 }
 
 }  // namespace ejk

@@ -45,6 +45,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         "ejk_cache_lookup",
         "ejk_op_heuristic_config",
         "ejk_op_config_candidates",
+        "ejk_op_unsupported_reason",
     )
     for name in string_fns:
         getattr(lib, name).restype = ctypes.c_void_p
@@ -57,6 +58,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ejk_cache_store.restype = ctypes.c_int
     lib.ejk_op_heuristic_config.argtypes = [ctypes.c_char_p] * 3
     lib.ejk_op_config_candidates.argtypes = [ctypes.c_char_p] * 3
+    lib.ejk_op_unsupported_reason.argtypes = [ctypes.c_char_p] * 3
     return lib, str(path)
 
 
@@ -199,6 +201,19 @@ def config_candidates(op: str, platform: str, signature: dict[str, Any]) -> list
         _LIB.ejk_op_config_candidates(op.encode(), platform.encode(), json.dumps(signature).encode())
     )
     return json.loads(text) if text else []
+
+
+def unsupported_reason(op: str, platform: str, signature: dict[str, Any]) -> str | None:
+    """Why the best native `op` on `platform` cannot serve `signature` (dtype, head_dim, ...),
+    or None when it can. The rule lives in the C++ registry entry."""
+    if _LIB is None:
+        return "libejkernel not loaded"
+    text = _take_string(
+        _LIB.ejk_op_unsupported_reason(op.encode(), platform.encode(), json.dumps(signature).encode())
+    )
+    if text is None:
+        return _error()
+    return text or None
 
 
 _registered: set[tuple[str, str]] = set()

@@ -30,6 +30,7 @@ int ejk_cache_store(const char* cache_dir, const char* key_json, const char* con
                     const char* timings_json);
 char* ejk_op_heuristic_config(const char* op, const char* platform, const char* signature_json);
 char* ejk_op_config_candidates(const char* op, const char* platform, const char* signature_json);
+char* ejk_op_unsupported_reason(const char* op, const char* platform, const char* signature_json);
 const char* ejk_last_error(void);
 void ejk_free(char*);
 }
@@ -86,6 +87,9 @@ void RegisterTestEntries() {
     gpu.backend = Backend::kGpu;
     gpu.name = "tuned_gpu";
     gpu.heuristic = [](const nlohmann::json&) { return Config{{"block", "gpu"}}; };
+    gpu.unsupported = [](const nlohmann::json& sig) {
+      return sig.value("head_dim", 0) > 256 ? std::string("head_dim above 256") : std::string();
+    };
     return Registry::Global().Register(bare).ok() && Registry::Global().Register(tuned).ok() &&
            Registry::Global().Register(gpu).ok();
   }();
@@ -150,6 +154,16 @@ TEST(CApiTest, HeuristicAndCandidates) {
             (nlohmann::json{{"block", "gpu"}}));
   EXPECT_EQ(TakeJson(ejk_op_config_candidates(kOp, "cpu", "{}")),
             nlohmann::json::parse(R"([{"block": 16}, {"block": 32}])"));
+}
+
+TEST(CApiTest, UnsupportedReason) {
+  RegisterTestEntries();
+  // The best entry decides; one without a rule serves every signature.
+  EXPECT_EQ(Take(ejk_op_unsupported_reason(kOp, "cpu", R"({"head_dim": 512})")), "");
+  EXPECT_EQ(Take(ejk_op_unsupported_reason(kOp, "cuda", R"({"head_dim": 128})")), "");
+  EXPECT_EQ(Take(ejk_op_unsupported_reason(kOp, "cuda", R"({"head_dim": 512})")), "head_dim above 256");
+  EXPECT_EQ(ejk_op_unsupported_reason("no_such_op", "cuda", "{}"), nullptr);
+  EXPECT_NE(LastError().find("no_such_op"), std::string::npos) << LastError();
 }
 
 TEST(CApiTest, HeuristicErrorsSetLastError) {

@@ -24,5 +24,8 @@ fi
   "jax>=0.7.2" "jaxlib>=0.7.2" "numpy>=1.26" "jaxtyping>=0.2.36" \
   "scikit-build-core>=0.10" "pytest>=8" "hypothesis>=6" "pytest-xdist>=3" "rich>=13" "matplotlib>=3.8"
 # No build isolation: the build reads XLA's FFI headers from the jaxlib installed above.
-"$PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+# CUDA kernels are built when nvcc is found and a GPU is visible (EJKERNEL_CUDA=ON/OFF overrides).
+cuda=${EJKERNEL_CUDA:-$(nvidia-smi -L >/dev/null 2>&1 && echo AUTO || echo OFF)}
+"$PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . \
+  -C cmake.define.EJKERNEL_CUDA="$cuda"
 "$PYTHON" -m ejkernel

@@ -53,7 +53,8 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                        float softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                        float logits_soft_cap, float dropout_prob, int64_t operands, int64_t block_q,
-                       int64_t block_k, int64_t num_threads) {
+                       int64_t block_k, int64_t num_threads, int64_t num_warps,
+                       int64_t num_stages, bool deterministic) {
   ForwardParams p;
   EJK_FFI_ASSIGN_OR_RETURN(p, BuildForwardParams(q, k, v, bias, mask, softmax_aux, cu_seqlens_q,
                                                  cu_seqlens_k, q_segment_ids, kv_segment_ids,
@@ -77,7 +78,8 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsoftmax_aux,
                         float softmax_scale, bool causal, int64_t window_left,
                         int64_t window_right, float logits_soft_cap, float dropout_prob,
-                        int64_t operands, int64_t block_q, int64_t block_k, int64_t num_threads) {
+                        int64_t operands, int64_t block_q, int64_t block_k, int64_t num_threads,
+                        int64_t num_warps, int64_t num_stages, bool deterministic) {
   BackwardParams p;
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd, BuildForwardParams(q, k, v, bias, mask, softmax_aux, cu_seqlens_q,
                                                      cu_seqlens_k, q_segment_ids, kv_segment_ids,

@@ -83,7 +83,10 @@ inline StatusOr<ForwardParams> BuildForwardParams(
       .Attr<int64_t>("operands")                                                       \
       .Attr<int64_t>("block_q")                                                        \
       .Attr<int64_t>("block_k")                                                        \
-      .Attr<int64_t>("num_threads")
+      .Attr<int64_t>("num_threads")                                                   \
+      .Attr<int64_t>("num_warps")                                                     \
+      .Attr<int64_t>("num_stages")                                                    \
+      .Attr<bool>("deterministic")
 
 #define EJK_FLASH_ATTENTION_FORWARD_BINDING(b)                                         \
   EJK_FLASH_ATTENTION_ATTRIBUTES(                                                      \

@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <limits>
+
+#include "runtime/format.h"
 
 namespace ejk::flash_attention {
 namespace {
@@ -11,12 +12,6 @@ namespace {
 Status Invalid(const std::string& message) { return Status::InvalidArgument(message); }
 
 std::string Str(int64_t x) { return std::to_string(x); }
-
-std::string FloatStr(float x) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(x));
-  return buf;
-}
 
 std::string ShapeStr(std::initializer_list<int64_t> dims) {
   std::string s = "[";
@@ -161,13 +156,13 @@ StatusOr<Dims> ValidateForward(const ForwardParams& p) {
                    Str(p.window_right) + ")");
   }
   if (!std::isfinite(p.logits_soft_cap) || p.logits_soft_cap < 0.0f) {
-    return Invalid("logits_soft_cap must be finite and >= 0 (0: off), got " + FloatStr(p.logits_soft_cap));
+    return Invalid("logits_soft_cap must be finite and >= 0 (0: off), got " + FormatFloat(p.logits_soft_cap));
   }
   if (!(p.dropout_prob >= 0.0f && p.dropout_prob < 1.0f)) {
-    return Invalid("dropout_prob must be in [0, 1), got " + FloatStr(p.dropout_prob));
+    return Invalid("dropout_prob must be in [0, 1), got " + FormatFloat(p.dropout_prob));
   }
   if (!std::isfinite(p.softmax_scale)) {
-    return Invalid("softmax_scale must be finite, got " + FloatStr(p.softmax_scale));
+    return Invalid("softmax_scale must be finite, got " + FormatFloat(p.softmax_scale));
   }
 
   EJK_RETURN_IF_ERROR(CheckTensor(p.out, "out", 4, {p.q.dtype}));

@@ -141,9 +141,10 @@ def attention_reference(query, key, value, *, bias=None, attention_mask=None, so
                         cum_seqlens_q=None, cum_seqlens_k=None, q_segment_ids=None, kv_segment_ids=None,
                         softmax_scale: float, causal: bool = False, sliding_window=None,
                         logits_soft_cap: float | None = None, dropout_prob: float = 0.0, dropout_seed=None,
-                        return_lse: bool = True, compute_dtype=np.float64):
+                        return_lse: bool = True, compute_dtype=np.float64, deterministic: bool = False):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) as NumPy arrays of compute_dtype (just out
-    without return_lse). Bias broadcasts from [Bb, Hb, Sq, Sk] like the kernels'."""
+    without return_lse). Bias broadcasts from [Bb, Hb, Sq, Sk] like the kernels'.
+    `deterministic` (a kernel option) changes nothing here."""
     with jax.enable_x64(True):
         (q, k, v, b, aux), static = _prepare(
             query, key, value, bias, softmax_aux, attention_mask, cum_seqlens_q, cum_seqlens_k,
@@ -158,7 +159,7 @@ def reference_grads(query, key, value, *, dout, dlse=None, bias=None, attention_
                     cum_seqlens_q=None, cum_seqlens_k=None, q_segment_ids=None, kv_segment_ids=None,
                     softmax_scale: float, causal: bool = False, sliding_window=None,
                     logits_soft_cap: float | None = None, dropout_prob: float = 0.0, dropout_seed=None,
-                    return_outputs: bool = False, compute_dtype=np.float64):
+                    return_outputs: bool = False, compute_dtype=np.float64, deterministic: bool = False):
     """Gradients of <out, dout> + <lse, dlse> for query, key, value and, when given, bias
     (in its broadcast shape) and softmax_aux, by autodiff of the reference: a dict keyed by
     argument name. With return_outputs, (out, lse, grads) from the same evaluation."""

@@ -1,4 +1,5 @@
-"""Small-shape run of every CUDA flash attention path, for compute-sanitizer."""
+"""Small-shape runs of every CUDA flash attention path (forward on the Hopper and mma.sync
+kernels, backward in both modes), for compute-sanitizer memcheck and racecheck."""
 
 import jax
 import jax.numpy as jnp
@@ -7,22 +8,39 @@ import numpy as np
 from ejkernel.modules import flash_attention
 
 rng = np.random.default_rng()
-q = jnp.asarray(rng.standard_normal((2, 37, 4, 64)), jnp.bfloat16)
-k = jnp.asarray(rng.standard_normal((2, 45, 2, 64)), jnp.bfloat16)
-v = jnp.asarray(rng.standard_normal((2, 45, 2, 64)), jnp.bfloat16)
-bias = jnp.asarray(rng.standard_normal((1, 4, 37, 45)), jnp.float32)
-mask = jnp.asarray(rng.random((2, 1, 37, 45)) > 0.2)
-aux = jnp.asarray(rng.standard_normal((4,)), jnp.float32)
-runs = [
-    dict(),
-    dict(causal=True, sliding_window=(7, 0), logits_soft_cap=20.0),
-    dict(bias=bias, attention_mask=mask, softmax_aux=aux, dropout_prob=0.2, dropout_seed=3),
-]
-for kwargs in runs:
-    jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True, **kwargs))
-cu = jnp.array([0, 0, 1, 20, 30], jnp.int32)
-cu_k = jnp.array([0, 3, 3, 25, 40], jnp.int32)
-jax.block_until_ready(
-    flash_attention(q[:1, :31], k[:1, :40], v[:1, :40], causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu_k, platform="cuda")
-)
-print("sanitize_cuda: ran", len(runs) + 1, "calls")
+
+
+def normal(*shape, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+calls = 0
+for head_dim, seq_q, seq_k in ((64, 37, 45), (128, 131, 200)):
+    q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
+    bias = normal(1, 4, seq_q, seq_k, dtype=jnp.float32)
+    mask = jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2)
+    aux = normal(4, dtype=jnp.float32)
+    runs = [
+        dict(),  # Hopper kernel where it runs
+        dict(causal=True, sliding_window=(7, 0), logits_soft_cap=20.0, softmax_aux=aux),
+        dict(bias=bias, attention_mask=mask, softmax_aux=aux, dropout_prob=0.2, dropout_seed=3),
+        dict(causal=True, bias=bias, deterministic=True),
+    ]
+    for kwargs in runs:
+        def loss(q, k, v):
+            return jnp.sum(flash_attention(q, k, v, platform="cuda", **kwargs).astype(jnp.float32) ** 2)
+
+        jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True, **kwargs))
+        jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+        calls += 2
+
+    cu = jnp.array([0, 0, 1, 20, 30], jnp.int32)
+    cu_k = jnp.array([0, 3, 3, 25, 40], jnp.int32)
+
+    def varlen_loss(q, k, v):
+        out = flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu_k, platform="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1, :31], k[:1, :40], v[:1, :40]))
+    calls += 1
+print("sanitize_cuda: ran", calls, "calls")

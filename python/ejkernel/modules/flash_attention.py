@@ -12,7 +12,7 @@ from ..kernels.flash_attention import (
     FlashAttentionConfig,
     config_candidates,
     heuristic_config,
-    native_features,
+    native_unsupported,
     normalize,
 )
 from ..ops import Executor, Invocation, Kernel, Platform
@@ -29,6 +29,7 @@ _ATTENTION_KWARGS = (
     "cum_seqlens_k",
     "q_segment_ids",
     "kv_segment_ids",
+    "deterministic",
 )
 
 
@@ -59,7 +60,7 @@ class FlashAttention(Kernel[FlashAttentionConfig, Any]):
     def unsupported_features(self, inv: Invocation, platform: Platform) -> list[str]:
         if platform == Platform.XLA:
             return []
-        return sorted(set(self._args(inv).features()) - native_features(platform.value))
+        return native_unsupported(platform.value, self._args(inv))
 
 
 _KERNEL = FlashAttention()
@@ -99,6 +100,7 @@ def flash_attention(
     cum_seqlens_k: Int[Array, "num_seqs_plus_1"] | None = None,
     q_segment_ids: Int[Array, "batch seq_len_q"] | None = None,
     kv_segment_ids: Int[Array, "batch seq_len_k"] | None = None,
+    deterministic: bool = False,
     return_lse: bool = False,
     platform: Platform | str | None = None,
     cfg: FlashAttentionConfig | None = None,
@@ -126,6 +128,8 @@ def flash_attention(
         causal and window positions are local to each sequence; rows past the last offset
         are padding (output 0).
       q_segment_ids/kv_segment_ids: attend only within equal ids.
+      deterministic: make the backward bit-reproducible (no floating-point atomics; the
+        CUDA backward then computes dQ in a separate pass, somewhat slower).
       return_lse: also return the log-sum-exp [batch, num_q_heads, seq_len_q] (float32).
       platform: "cuda", "cpu" or "xla"; default: the native kernel of the arrays' device
         when it supports the requested features, else XLA.
@@ -150,6 +154,7 @@ def flash_attention(
         cum_seqlens_k=cum_seqlens_k,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
+        deterministic=deterministic,
         return_lse=return_lse,
         platform=platform,
         cfg=cfg,

@@ -21,17 +21,20 @@ from ._validate import AttentionArgs, normalize
 from ._xla import flash_attention_xla
 
 OP = "flash_attention"
-OP_VERSION = 1
+OP_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttentionConfig:
     """Tile sizes. block_q/block_k: query rows and keys per tile; num_threads: native CPU
-    threads (0 = all)."""
+    threads (0 = all); num_warps/num_stages: CUDA warps per block and K/V pipeline depth
+    (0 = the kernel's default for the tile)."""
 
     block_q: int = 64
     block_k: int = 128
     num_threads: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
 
 
 def xla_heuristic(args: AttentionArgs) -> FlashAttentionConfig:
@@ -64,6 +67,14 @@ def native_features(platform: str) -> set[str]:
     return set(max(entries, key=lambda e: e["priority"])["features"])
 
 
+def native_unsupported(platform: str, args: AttentionArgs) -> list[str]:
+    """What keeps the native `platform` implementation from serving this call: features it
+    lacks, then the C++ entry's own reason (dtype, head dim, ...). Empty when it can."""
+    missing = sorted(set(args.features()) - native_features(platform))
+    reason = _native.unsupported_reason(OP, platform, args.signature())
+    return missing + ([reason] if reason else [])
+
+
 def _split(kwargs: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     return bool(kwargs.pop("return_lse", False)), kwargs
 
@@ -94,7 +105,7 @@ def _run(platform: str, query, key, value, attention_mask=None, bias=None, softm
             block_k=cfg.block_k,
         )
     else:
-        missing = sorted(set(args.features()) - native_features(platform))
+        missing = native_unsupported(platform, args)
         if missing:
             raise ValueError(f"flash_attention on platform '{platform}' does not support: {', '.join(missing)}")
         out, lse = flash_attention_native(
@@ -103,6 +114,8 @@ def _run(platform: str, query, key, value, attention_mask=None, bias=None, softm
             block_q=cfg.block_q,
             block_k=cfg.block_k,
             num_threads=cfg.num_threads,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
             backward="backward" in native_features(platform),
         )
     return (out, lse) if return_lse else out
@@ -123,5 +136,6 @@ __all__ = [
     "flash_attention_xla",
     "heuristic_config",
     "native_features",
+    "native_unsupported",
     "normalize",
 ]

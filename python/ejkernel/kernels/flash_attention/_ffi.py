@@ -37,6 +37,9 @@ class _Static:
     block_q: int
     block_k: int
     num_threads: int
+    num_warps: int
+    num_stages: int
+    deterministic: bool
     backward: bool
 
     def attributes(self, operands: int) -> dict[str, Any]:
@@ -51,6 +54,9 @@ class _Static:
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             num_threads=np.int64(self.num_threads),
+            num_warps=np.int64(self.num_warps),
+            num_stages=np.int64(self.num_stages),
+            deterministic=self.deterministic,
         )
 
 
@@ -175,6 +181,8 @@ def flash_attention_native(
     block_q: int,
     block_k: int,
     num_threads: int = 0,
+    num_warps: int = 0,
+    num_stages: int = 0,
     backward: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the native kernel of `platform` ("cpu" or "cuda"); returns (out, lse)."""
@@ -199,6 +207,9 @@ def flash_attention_native(
         block_q=block_q,
         block_k=block_k,
         num_threads=num_threads,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        deterministic=args.deterministic,
         backward=backward,
     )
     return _attention_fn(static)(

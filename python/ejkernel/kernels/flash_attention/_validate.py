@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._args import as_array as _array
+from .._args import describe as _shape
+
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -38,6 +41,7 @@ class AttentionArgs:
     sliding_window: tuple[int, int] | None = None  # (left, right); -1 = unbounded side
     logits_soft_cap: float | None = None
     dropout_prob: float = 0.0
+    deterministic: bool = False  # backward without floating-point atomics (bit-reproducible)
 
     def features(self) -> list[str]:
         """The optional features this call uses, by the names the native registry lists."""
@@ -53,6 +57,7 @@ class AttentionArgs:
             "segment_ids": self.q_segment_ids is not None,
             "dropout": self.dropout_prob > 0.0,
             "gqa": self.query.shape[2] != self.key.shape[2],
+            "deterministic_backward": self.deterministic,
         }
         used.extend(name for name, on in flags.items() if on)
         return used
@@ -69,21 +74,6 @@ class AttentionArgs:
             "head_dim": d,
             "dtype": jnp.dtype(self.query.dtype).name,
         }
-
-
-def _shape(x: Any) -> str:
-    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
-
-
-def _array(x: Any, name: str) -> Any:
-    if x is None:
-        return None
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        try:
-            x = jnp.asarray(x)
-        except TypeError as exc:
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}") from exc
-    return x
 
 
 def _check_broadcast(x: Any, name: str, b: int, hq: int, sq: int, sk: int) -> None:
@@ -166,6 +156,7 @@ def normalize(
     logits_soft_cap: float | None = None,
     dropout_prob: float = 0.0,
     dropout_seed: Any = None,
+    deterministic: bool = False,
 ) -> AttentionArgs:
     """Validates every argument and returns the normalised form all platforms take."""
     query, key, value = (_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
@@ -279,4 +270,5 @@ def normalize(
         sliding_window=_window(sliding_window),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         dropout_prob=float(dropout_prob),
+        deterministic=bool(deterministic),
     )

@@ -364,8 +364,11 @@ def flash_attention_xla(
     dropout_seed: UInt32[Array, ""] | None = None,
     block_q: int = 128,
     block_k: int = 128,
+    deterministic: bool = False,
 ) -> tuple[Float[Array, "batch seq_q q_heads head_dim"], Float[Array, "batch q_heads seq_q"]]:
     """Attention with the semantics of csrc/flash_attention/semantics.h; returns (out, lse).
+
+    `deterministic` is accepted for a uniform signature: this backward has no atomics.
 
     Arguments are the normalised ones of `_validate.normalize`. `out` has the query's dtype,
     `lse` (natural log, -inf for rows that see nothing) is float32. Differentiable in query,

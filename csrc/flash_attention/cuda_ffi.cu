@@ -1,0 +1,263 @@
+// XLA FFI handlers of the CUDA flash attention and its registry entry.
+//
+// Each direction runs the Hopper kernel where it serves the call (sm_90, its feature subset)
+// and the portable mma.sync kernel otherwise.
+// Neither synchronises with the host: cu_seqlens and the dropout seed stay on the device.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "flash_attention/cuda.h"
+#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/ffi_common.h"
+#include "flash_attention/params.h"
+#include "runtime/ffi_util.h"
+#include "runtime/registry.h"
+
+namespace ffi = xla::ffi;
+
+namespace ejk::flash_attention {
+namespace {
+
+constexpr std::array<int, 5> kHeadDims = {64, 96, 128, 192, 256};
+
+bool HeadDimBuilt(int64_t head_dim) {
+  switch (head_dim) {
+#if EJK_FA_HEAD_DIM_ENABLED(64)
+    case 64:
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+    case 96:
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(128)
+    case 128:
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+    case 192:
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+    case 256:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Why the CUDA kernels cannot take a call of this dtype and head dim ("" when they can).
+std::string UnsupportedReason(const std::string& dtype, int64_t head_dim) {
+  if (dtype != "bfloat16" && dtype != "float16") {
+    return "the CUDA kernels take bfloat16 or float16 inputs, got " + dtype;
+  }
+  if (!HeadDimBuilt(head_dim)) {
+    std::string built;
+    for (int d : kHeadDims) {
+      if (HeadDimBuilt(d)) built += (built.empty() ? "" : ", ") + std::to_string(d);
+    }
+    return "head_dim " + std::to_string(head_dim) + " is not built (built: " + built + ")";
+  }
+  return "";
+}
+
+struct DeviceArch {
+  int major = 0, minor = 0;
+};
+
+// Compute capability of the current device, cached per device (attribute reads are host-only).
+DeviceArch CurrentArch() {
+  static std::array<DeviceArch, 64> cache{};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return {};
+  DeviceArch& arch = cache[device];
+  if (arch.major == 0) {
+    cudaDeviceGetAttribute(&arch.major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&arch.minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
+  return arch;
+}
+
+StatusOr<CudaConfig> ConfigFromAttrs(int64_t block_q, int64_t block_k, int64_t num_warps,
+                                     int64_t num_stages) {
+  if (block_q < 1 || block_q > 256 || block_k < 1 || block_k > 256 || num_warps < 0 ||
+      num_warps > 16 || num_stages < 0 || num_stages > 4) {
+    return Status::InvalidArgument(
+        "config: block_q and block_k in [1, 256], num_warps in [0, 16], num_stages in [0, 4] "
+        "required, got block_q=" + std::to_string(block_q) + " block_k=" + std::to_string(block_k) +
+        " num_warps=" + std::to_string(num_warps) + " num_stages=" + std::to_string(num_stages));
+  }
+  CudaConfig cfg;
+  cfg.block_q = static_cast<int>(block_q);
+  cfg.block_k = static_cast<int>(block_k);
+  cfg.num_warps = static_cast<int>(num_warps);
+  cfg.num_stages = static_cast<int>(num_stages);
+  return cfg;
+}
+
+Status CheckSupported(const ForwardParams& p, const Dims& dims) {
+  const std::string reason = UnsupportedReason(DTypeName(p.q.dtype), dims.head_dim);
+  if (!reason.empty()) return Status::Unimplemented("flash attention CUDA: " + reason);
+  return MmaSupports(p, dims);
+}
+
+StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) {
+  if (!dropout) return static_cast<const uint32_t*>(nullptr);
+  if (seed.element_count() != 1 ||
+      (seed.element_type() != ffi::DataType::U32 && seed.element_type() != ffi::DataType::S32)) {
+    return Status::InvalidArgument("dropout_seed must be one 32-bit integer");
+  }
+  return static_cast<const uint32_t*>(seed.untyped_data());
+}
+
+ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer softmax_aux,
+                       ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,
+                       ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                       ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, bool causal,
+                       int64_t window_left, int64_t window_right, float logits_soft_cap,
+                       float dropout_prob, int64_t operands, int64_t block_q, int64_t block_k,
+                       int64_t num_threads, int64_t num_warps, int64_t num_stages,
+                       bool deterministic) {
+  CudaForwardArgs args;
+  EJK_FFI_ASSIGN_OR_RETURN(args.p, BuildForwardParams(q, k, v, bias, mask, softmax_aux, cu_seqlens_q,
+                                                      cu_seqlens_k, q_segment_ids, kv_segment_ids,
+                                                      softmax_scale, causal, window_left,
+                                                      window_right, logits_soft_cap, dropout_prob,
+                                                      operands));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, dropout_prob > 0.0f));
+  EJK_FFI_ASSIGN_OR_RETURN(args.p.out, ViewOf(*out, "out"));
+  EJK_FFI_ASSIGN_OR_RETURN(args.p.lse, ViewOf(*lse, "lse"));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateForward(args.p));
+  EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
+  if (Status s = CheckSupported(args.p, args.dims); !s.ok()) return ToFfiError(s);
+  const DeviceArch arch = CurrentArch();
+  if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) {
+    return ToFfiError(ForwardHopper(args, stream));
+  }
+  return ToFfiError(ForwardMma(args, cfg, stream));
+}
+
+ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                        ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::AnyBuffer bias,
+                        ffi::AnyBuffer mask, ffi::AnyBuffer softmax_aux, ffi::AnyBuffer cu_seqlens_q,
+                        ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer q_segment_ids,
+                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seed,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                        ffi::Result<ffi::AnyBuffer> dsoftmax_aux, float softmax_scale, bool causal,
+                        int64_t window_left, int64_t window_right, float logits_soft_cap,
+                        float dropout_prob, int64_t operands, int64_t block_q, int64_t block_k,
+                        int64_t num_threads, int64_t num_warps, int64_t num_stages,
+                        bool deterministic) {
+  CudaBackwardArgs args;
+  BackwardParams& p = args.p;
+  EJK_FFI_ASSIGN_OR_RETURN(p.fwd, BuildForwardParams(q, k, v, bias, mask, softmax_aux, cu_seqlens_q,
+                                                     cu_seqlens_k, q_segment_ids, kv_segment_ids,
+                                                     softmax_scale, causal, window_left,
+                                                     window_right, logits_soft_cap, dropout_prob,
+                                                     operands));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, dropout_prob > 0.0f));
+  EJK_FFI_ASSIGN_OR_RETURN(p.fwd.out, ViewOf(out, "out"));
+  EJK_FFI_ASSIGN_OR_RETURN(p.fwd.lse, ViewOf(lse, "lse"));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dout, ViewOf(dout, "dout"));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dlse, OptionalViewOf(dlse, "dlse", operands & kHasDlse));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dq, ViewOf(*dq, "dq"));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dk, ViewOf(*dk, "dk"));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dv, ViewOf(*dv, "dv"));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dbias, OptionalViewOf(*dbias, "dbias", operands & kHasBias));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dsoftmax_aux,
+                           OptionalViewOf(*dsoftmax_aux, "dsoftmax_aux", operands & kHasSoftmaxAux));
+  p.deterministic = deterministic;
+  EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateBackward(p));
+  EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
+  if (Status s = CheckSupported(p.fwd, args.dims); !s.ok()) return ToFfiError(s);
+  const DeviceArch arch = CurrentArch();
+  const bool hopper = HopperBackwardSupports(p, args.dims, arch.major, arch.minor).ok();
+  const size_t bytes = hopper ? BackwardHopperScratchBytes(args.dims, p) : BackwardMmaScratchBytes(args.dims, p);
+  void* workspace = nullptr;
+  if (bytes > 0) {
+    std::optional<void*> allocated = scratch.Allocate(bytes);
+    if (!allocated.has_value()) {
+      return ToFfiError(Status::ResourceExhausted("flash attention backward: cannot allocate " +
+                                                  std::to_string(bytes) + " bytes of scratch"));
+    }
+    workspace = *allocated;
+  }
+  if (hopper) return ToFfiError(BackwardHopper(args, workspace, stream));
+  return ToFfiError(BackwardMma(args, cfg, workspace, stream));
+}
+
+}  // namespace
+}  // namespace ejk::flash_attention
+
+EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionForwardCuda(XLA_FFI_CallFrame* call_frame);
+EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionBackwardCuda(XLA_FFI_CallFrame* call_frame);
+
+// The forward's launches depend only on shapes and attributes: safe inside CUDA graphs.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    EjkFlashAttentionForwardCuda, ejk::flash_attention::ForwardImpl,
+    EJK_FLASH_ATTENTION_FORWARD_BINDING(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+// The backward takes scratch memory per call, which a captured graph could not own.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    EjkFlashAttentionBackwardCuda, ejk::flash_attention::BackwardImpl,
+    EJK_FLASH_ATTENTION_BACKWARD_BINDING(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
+
+namespace ejk::flash_attention {
+namespace {
+
+Config MakeConfig(int block_q, int block_k, int num_warps, int num_stages) {
+  return Config{{"block_q", block_q}, {"block_k", block_k}, {"num_threads", 0},
+                {"num_warps", num_warps}, {"num_stages", num_stages}};
+}
+
+// Tiles of the mma.sync kernels, tuned on an H100 (notes/flash_attention.md): wide query
+// tiles amortise K/V loads; large head dims shrink the key tile to fit registers.
+Config CudaHeuristic(const nlohmann::json& signature) {
+  const int64_t head_dim = signature.value("head_dim", 128);
+  if (head_dim <= 64) return MakeConfig(128, 128, 4, 2);
+  if (head_dim <= 128) return MakeConfig(128, 64, 4, 2);
+  return MakeConfig(64, 64, 4, 2);
+}
+
+std::vector<Config> CudaCandidates(const nlohmann::json& signature) {
+  const int64_t head_dim = signature.value("head_dim", 128);
+  std::vector<Config> configs;
+  for (int block_q : {64, 128}) {
+    for (int block_k : {32, 64, 128}) {
+      if (head_dim > 128 && block_k > 64) continue;
+      configs.push_back(MakeConfig(block_q, block_k, block_q / 16, 2));
+    }
+  }
+  return configs;
+}
+
+KernelEntry CudaEntry() {
+  KernelEntry e;
+  e.op = "flash_attention";
+  e.platform = Platform::kCuda;
+  e.backend = Backend::kGpu;
+  e.priority = 100;
+  e.name = "flash_attention_cuda";
+  e.op_version = kOpVersion;
+  e.features = AllFeatures();
+  e.ffi_targets = {{"ejkernel_flash_attention_fwd_cuda", "EjkFlashAttentionForwardCuda"},
+                   {"ejkernel_flash_attention_bwd_cuda", "EjkFlashAttentionBackwardCuda"}};
+  e.heuristic = CudaHeuristic;
+  e.candidates = CudaCandidates;
+  e.unsupported = [](const nlohmann::json& signature) {
+    return UnsupportedReason(signature.value("dtype", std::string()), signature.value("head_dim", 0));
+  };
+  return e;
+}
+
+}  // namespace
+}  // namespace ejk::flash_attention
+
+EJK_REGISTER_KERNEL(flash_attention_cuda, ejk::flash_attention::CudaEntry());

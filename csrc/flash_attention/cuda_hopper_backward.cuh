@@ -1,0 +1,457 @@
+// Flash attention backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
+//
+// One thread block per (key tile of kBlockN = 128 keys, batch row, kv head). It keeps its K
+// and V tile in shared memory and dK, dV in registers, and walks every query tile that can
+// see its keys, for every query head of the kv group (GQA never materialises per-q-head
+// dK/dV):
+//   warp 0       loads K and V once, then Q, dO (TMA) and the rows' lse and D (bulk copies)
+//                of each query tile into a 2-stage ring guarded by mbarriers;
+//   warp 1       adds each tile's dQ (f32, staged in shared memory) into the global
+//                accumulator with one bulk reduction (the add happens in L2);
+//   warpgroups 1 and 2  consumers, 64 keys each: S^T = K Q^T and dP^T = V dO^T (wgmma, both
+//                operands from shared memory), P^T = exp2(S^T * scale * log2 e - lse) and
+//                dS^T = P^T (dP^T - D) in registers, where they already are the A operands
+//                of dV += P^T dO and dK += dS^T Q (wgmma with A from registers). dS^T also
+//                goes to shared memory, from where the two warpgroups compute dQ = dS K, each
+//                a 64 x 64 block of it.
+// Registers move from the producer warpgroup to the consumers with setmaxnreg.
+//
+// Query tiles that the causal/window masks hide from every key of the block are never
+// loaded; only tiles on a mask boundary or at the sequence end are masked element-wise.
+// Rows past the sequence come from TMA's zero fill and have lse = +inf (P = 0).
+//
+// The dQ accumulator is tile-major: [B, Hq, m block] tiles of kBlockM * D floats in the
+// consumers' register order (so that staging it is free of bank conflicts);
+// cuda_hopper_backward.cu converts it into dq.
+//
+// Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, as TMA
+// writes them and wgmma reads them: K and Q are K-major operands of S^T, V and dO of dP^T;
+// dO and Q are MN-major B operands of dV and dK; dS^T ([keys][queries]) and K are the
+// MN-major A and B operands of dQ.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flash_attention/cuda.h"
+#include "flash_attention/cuda_hopper_forward.cuh"
+#include "runtime/status.h"
+
+namespace ejk::flash_attention::hopper_backward {
+
+// Query rows per tile: the consumers' S^T/dP^T accumulators hold kBlockM / 2 floats each
+// next to dK and dV (kHeadDim / 2 each), so the wider head dim takes the shorter tile. Either
+// way dQ is kBlockM * kHeadDim = 8192 floats, a 64 x 64 block per consumer warpgroup.
+template <int kHeadDim>
+struct BlockM;
+template <>
+struct BlockM<64> {
+  static constexpr int kValue = 128;
+};
+template <>
+struct BlockM<128> {
+  static constexpr int kValue = 64;
+};
+
+template <int kHeadDim>
+struct Layout {
+  static constexpr int kBlockM = BlockM<kHeadDim>::kValue;
+  static constexpr int kBlockN = 128;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr int kKvBlockBytes = kBlockN * 128;  // one 64-column block of K or V
+  static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
+  static constexpr int kQBlockBytes = kBlockM * 128;
+  static constexpr int kQTileBytes = kColBlocks * kQBlockBytes;
+  static constexpr int kDsBlockBytes = kBlockN * 128;  // dS^T: 128 keys x 64 queries
+  static constexpr int kDsBytes = kBlockM / 64 * kDsBlockBytes;
+  static constexpr int kDqFloats = kBlockM * kHeadDim;
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + kKvTileBytes;
+  static constexpr int kQ = kV + kKvTileBytes;       // 2 stages
+  static constexpr int kDo = kQ + 2 * kQTileBytes;   // 2 stages
+  static constexpr int kDs = kDo + 2 * kQTileBytes;  // 2 buffers
+  static constexpr int kDq = kDs + 2 * kDsBytes;
+  static constexpr int kLse = kDq + kDqFloats * 4;       // 2 stages
+  static constexpr int kDelta = kLse + 2 * kBlockM * 4;  // 2 stages
+  static constexpr int kBarriers = kDelta + 2 * kBlockM * 4;
+  // kv_full, q_full[2], do_full[2], empty[2].
+  static constexpr int kBytes = kBarriers + 8 * 7;
+  static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
+  static_assert(kDqFloats == 8192, "dQ: one 64 x 64 block per consumer warpgroup");
+  static_assert(kAllocBytes <= 232448, "shared memory");
+};
+
+// Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
+struct KernelParams {
+  CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  void *dk, *dv;
+  const float* lse2;   // [B, Hq, padded_q] lse in log2 units, +inf for rows that see nothing
+  const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
+  float* dq_accum;
+  int seqlen_q, seqlen_k, num_q_heads, num_kv_heads, group, num_m_blocks, padded_q;
+  float softcap_pre;  // scale / cap (soft cap only)
+  float logit_scale;  // maps the (capped) score to the log2 domain
+  float dk_scale;     // softmax scale
+  // Key j is visible to query i iff i + offset - left <= j <= i + offset + right (and j < Sk),
+  // offset = Sk - Sq; left/right are clamped so that the sums stay in int32.
+  int left, right;
+};
+
+template <int kHeadDim>
+Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
+
+#if EJK_HOPPER_DEVICE_CODE
+namespace device {
+
+using namespace ejk::flash_attention::hopper::device;
+
+// D[64x64] (+)= A[64x16] * B[16x64], both from shared memory; kTransA/kTransB: MN-major.
+template <bool kF16, int kTransA, int kTransB>
+__device__ __forceinline__ void WgmmaSS64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define EJK_WGMMA_SS64(TYPE)                                                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                       \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                    \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"        \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),         \
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),       \
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),       \
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                            \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB))
+  if constexpr (kF16) {
+    EJK_WGMMA_SS64("f16");
+  } else {
+    EJK_WGMMA_SS64("bf16");
+  }
+#undef EJK_WGMMA_SS64
+}
+
+// 1-d bulk copy of `bytes` (multiple of 16) from global into shared memory, completing on `bar`.
+__device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarDsReady = 1;  // both consumer warpgroups stored dS^T (256 threads)
+constexpr int kBarDqReady = 2;  // consumers staged dQ; the dQ warp may reduce it (288)
+constexpr int kBarDqFree = 3;   // the staged dQ has been read; consumers may overwrite it (288)
+
+}  // namespace device
+#endif  // EJK_HOPPER_DEVICE_CODE
+
+template <int kHeadDim, bool kF16, bool kSoftcap>
+__global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__ KernelParams p) {
+#if EJK_HOPPER_DEVICE_CODE
+  using namespace device;
+  using L = Layout<kHeadDim>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockN = L::kBlockN;
+  constexpr int kColBlocks = L::kColBlocks;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
+  uint8_t* const smem_ptr = smem_raw + (smem - SmemAddr(smem_raw));
+  const uint32_t k_smem = smem + L::kK;
+  const uint32_t v_smem = smem + L::kV;
+  const auto q_smem = [&](int s) { return smem + L::kQ + s * L::kQTileBytes; };
+  const auto do_smem = [&](int s) { return smem + L::kDo + s * L::kQTileBytes; };
+  const auto ds_smem = [&](int s) { return smem + L::kDs + s * L::kDsBytes; };
+  const uint32_t kv_full = smem + L::kBarriers;
+  const auto q_full = [&](int s) { return kv_full + 8 * (1 + s); };
+  const auto do_full = [&](int s) { return kv_full + 8 * (3 + s); };
+  const auto empty = [&](int s) { return kv_full + 8 * (5 + s); };
+
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+  const int sq = p.seqlen_q, sk = p.seqlen_k;
+  const int offset = sk - sq;
+  // Queries that see a key of the block: [q_lo, q_hi).
+  const int k_last = min(n0 + kBlockN, sk) - 1;
+  const int q_lo = max(0, n0 - offset - p.right);
+  const int q_hi = min(sq, k_last - offset + p.left + 1);
+  const int m_lo = q_lo / kBlockM;
+  const int m_count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - m_lo : 0;
+  const int items = m_count * p.group;  // item it: q head kv_head * group + it / m_count, m block m_lo + it % m_count
+
+  if (threadIdx.x == 0) {
+    MbarInit(kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      MbarInit(q_full(s), 1);
+      MbarInit(do_full(s), 1);
+      MbarInit(empty(s), 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    PrefetchTmaDescriptor(&p.tma_q);
+    PrefetchTmaDescriptor(&p.tma_k);
+    PrefetchTmaDescriptor(&p.tma_v);
+    PrefetchTmaDescriptor(&p.tma_do);
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(L::kProducerRegisters));
+    const int warp = threadIdx.x / 32;
+    if (warp == 0 && lane == 0 && items > 0) {
+      MbarExpectTx(kv_full, 2 * L::kKvTileBytes);
+#pragma unroll
+      for (int cb = 0; cb < kColBlocks; ++cb) {
+        TmaLoad4d(k_smem + cb * L::kKvBlockBytes, &p.tma_k, kv_full, cb * 64, kv_head, n0, batch);
+        TmaLoad4d(v_smem + cb * L::kKvBlockBytes, &p.tma_v, kv_full, cb * 64, kv_head, n0, batch);
+      }
+      for (int it = 0; it < items; ++it) {
+        const int s = it & 1;
+        const uint32_t phase = (it >> 1) & 1;
+        const int head = kv_head * p.group + it / m_count;
+        const int m0 = (m_lo + it % m_count) * kBlockM;
+        const int64_t row = (static_cast<int64_t>(batch) * p.num_q_heads + head) * p.padded_q + m0;
+        MbarWait(empty(s), phase ^ 1);
+        MbarExpectTx(q_full(s), L::kQTileBytes + kBlockM * 4);
+#pragma unroll
+        for (int cb = 0; cb < kColBlocks; ++cb) {
+          TmaLoad4d(q_smem(s) + cb * L::kQBlockBytes, &p.tma_q, q_full(s), cb * 64, head, m0, batch);
+        }
+        BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
+        MbarExpectTx(do_full(s), L::kQTileBytes + kBlockM * 4);
+#pragma unroll
+        for (int cb = 0; cb < kColBlocks; ++cb) {
+          TmaLoad4d(do_smem(s) + cb * L::kQBlockBytes, &p.tma_do, do_full(s), cb * 64, head, m0, batch);
+        }
+        BulkLoad(smem + L::kDelta + s * kBlockM * 4, p.delta + row, kBlockM * 4, do_full(s));
+      }
+    } else if (warp == 1) {
+      for (int it = 0; it < items; ++it) {
+        const int head = kv_head * p.group + it / m_count;
+        const int m_block = m_lo + it % m_count;
+        NamedBarrierSync(kBarDqReady, 288);
+        if (lane == 0) {
+          float* dst = p.dq_accum + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) *
+                                        static_cast<int64_t>(L::kDqFloats);
+          asm volatile(
+              "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+              "cp.async.bulk.commit_group;\n"
+              "cp.async.bulk.wait_group.read 0;\n" ::"l"(dst),
+              "r"(smem + L::kDq), "r"(L::kDqFloats * 4)
+              : "memory");
+        }
+        __syncwarp();
+        if (it + 1 < items) NamedBarrierArrive(kBarDqFree, 288);
+      }
+      if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+    return;
+  }
+
+  // Consumers.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(L::kConsumerRegisters));
+  const int wg = warpgroup - 1;
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32;
+  const int g = lane / 4, t4 = lane % 4;
+  // This thread's accumulator rows (keys) within the block: key_row + 8 * r.
+  const int key_row = wg * 64 + warp * 16 + g;
+  // dQ block of this warpgroup: 64 query rows x 64 columns.
+  constexpr int kDqRowBlocks = kBlockM / 64;
+  const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
+  const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
+
+  float dk[kHeadDim / 2], dv[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.0f;
+
+  if (items > 0) MbarWait(kv_full, 0);
+  for (int it = 0; it < items; ++it) {
+    const int s = it & 1;
+    const uint32_t phase = (it >> 1) & 1;
+    const int m0 = (m_lo + it % m_count) * kBlockM;
+
+    float sc[kBlockM / 2], dp[kBlockM / 2];
+    const auto issue_scores = [&](float (&acc)[kBlockM / 2], uint32_t a_base, uint32_t b_base) {
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint64_t desc_a = MakeDescriptor(a_base + (kk / 4) * L::kKvBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
+        const uint64_t desc_b = MakeDescriptor(b_base + (kk / 4) * L::kQBlockBytes + (kk % 4) * 32, 16, 1024);
+        if constexpr (kBlockM == 64) {
+          WgmmaSS64<kF16, 0, 0>(acc, desc_a, desc_b, kk > 0);
+        } else {
+          WgmmaSS<kF16>(acc, desc_a, desc_b, kk > 0);
+        }
+      }
+    };
+    MbarWait(q_full(s), phase);
+    WgmmaFence();
+    issue_scores(sc, k_smem, q_smem(s));
+    WgmmaCommit();
+    MbarWait(do_full(s), phase);
+    issue_scores(dp, v_smem, do_smem(s));
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegisters(sc);
+    FenceRegisters(dp);
+
+    // P^T and dS^T; columns are queries m0 + 8j + 2 t4 + c.
+    const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
+    const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
+    const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+                        n0 < m0 + kBlockM - 1 + offset - p.left;
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
+      const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 4 * j + 2 * r + c;
+          const float l = c ? l2.y : l2.x, d = c ? d2.y : d2.x;
+          float pv, ds;
+          if constexpr (kSoftcap) {
+            const float t = Tanh(sc[i] * p.softcap_pre);
+            pv = Exp2(fmaf(t, p.logit_scale, -l));
+            ds = pv * (dp[i] - d) * (1.0f - t * t);
+          } else {
+            pv = Exp2(fmaf(sc[i], p.logit_scale, -l));
+            ds = pv * (dp[i] - d);
+          }
+          if (masked) {
+            const int key = n0 + key_row + 8 * r, query = m0 + 8 * j + 2 * t4 + c;
+            if (key >= sk || key > query + offset + p.right || key < query + offset - p.left) pv = ds = 0.0f;
+          }
+          sc[i] = pv;
+          dp[i] = ds;
+        }
+      }
+    }
+    uint32_t pp[kBlockM / 4], pds[kBlockM / 4];
+#pragma unroll
+    for (int i = 0; i < kBlockM / 4; ++i) {
+      pp[i] = Pack<kF16>(sc[2 * i], sc[2 * i + 1]);
+      pds[i] = Pack<kF16>(dp[2 * i], dp[2 * i + 1]);
+    }
+    // dS^T into shared memory, [query block][key][64 queries] in the 128-byte swizzle: the
+    // pair (key, queries 8j + 2 t4 + {0, 1}) sits in 16-byte chunk (j % 8) ^ (key % 8), and
+    // key % 8 == g.
+    {
+      uint8_t* ds_base = smem_ptr + L::kDs + (it & 1) * L::kDsBytes;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int key = key_row + 8 * r;
+          *reinterpret_cast<uint32_t*>(ds_base + (j / 8) * L::kDsBlockBytes + key * 128 + (((j % 8) ^ g) << 4) + t4 * 4) =
+              pds[2 * j + r];
+        }
+      }
+    }
+    FenceProxyAsync();
+
+    // dV += P^T dO, dK += dS^T Q.
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
+      WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
+      WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+    }
+    WgmmaCommit();
+
+    // dQ = dS K for this warpgroup's 64 x 64 block, once both warpgroups stored dS^T.
+    NamedBarrierSync(kBarDsReady, 256);
+    float dq[32];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_a =
+          MakeDescriptor(ds_smem(it & 1) + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
+      const uint64_t desc_b =
+          MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
+      WgmmaSS64<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegisters(dq);
+    FenceRegisters(dk);
+    FenceRegisters(dv);
+    FenceRegisters(pp);
+    FenceRegisters(pds);
+    // Q and dO of this stage are no longer read.
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty(s));
+
+    // Stage dQ in register order: float4 (j, thread) holds accumulator elements 4j..4j+3.
+    if (it > 0) NamedBarrierSync(kBarDqFree, 288);
+    float4* staging = reinterpret_cast<float4*>(smem_ptr + L::kDq) + wg * 1024;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) staging[j * 128 + tid] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    FenceProxyAsync();
+    NamedBarrierArrive(kBarDqReady, 288);
+  }
+
+  // Epilogue: dK (scaled) and dV rows of this thread's keys.
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = n0 + key_row + 8 * r;
+    if (key < sk) {
+      const int64_t off = (static_cast<int64_t>(batch) * sk + key) * row_stride + static_cast<int64_t>(kv_head) * kHeadDim + 2 * t4;
+      uint16_t* dk_row = static_cast<uint16_t*>(p.dk) + off;
+      uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + off;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        *reinterpret_cast<uint32_t*>(dk_row + 8 * j) =
+            Pack<kF16>(dk[4 * j + 2 * r] * p.dk_scale, dk[4 * j + 2 * r + 1] * p.dk_scale);
+        *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = Pack<kF16>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // a build without sm_90a code must fail loudly, not leave the outputs unwritten
+#endif  // EJK_HOPPER_DEVICE_CODE
+}
+
+template <int kHeadDim, bool kF16, bool kSoftcap>
+Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
+  using L = Layout<kHeadDim>;
+  void (*kernel)(const KernelParams) = BackwardKernel<kHeadDim, kF16, kSoftcap>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
+      err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention backward: shared memory attribute: ") +
+                            cudaGetErrorString(err));
+  }
+  const dim3 grid((kp.seqlen_k + L::kBlockN - 1) / L::kBlockN, kp.num_kv_heads, batch);
+  kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention backward: launch failed: ") + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
+template <int kHeadDim>
+Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+  if (softcap) {
+    return f16 ? LaunchKernel<kHeadDim, true, true>(kp, batch, stream)
+               : LaunchKernel<kHeadDim, false, true>(kp, batch, stream);
+  }
+  return f16 ? LaunchKernel<kHeadDim, true, false>(kp, batch, stream)
+             : LaunchKernel<kHeadDim, false, false>(kp, batch, stream);
+}
+
+}  // namespace ejk::flash_attention::hopper_backward

@@ -1,0 +1,166 @@
+// Hopper (sm_90a) flash attention forward: which calls it takes, tensor maps, dispatch.
+// The kernel is in cuda_hopper_forward.cuh, instantiated per head dim.
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "flash_attention/cuda_hopper_forward.cuh"
+
+namespace ejk::flash_attention {
+namespace hopper {
+namespace {
+
+bool HeadDimBuilt(int64_t d) {
+  switch (d) {
+#if EJK_FA_HEAD_DIM_ENABLED(64)
+    case 64: return true;
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(128)
+    case 128: return true;
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+// The driver's tensor-map encoder, found through the runtime (no link-time libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult result;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
+            cudaSuccess ||
+        result != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
+  if (encode == nullptr) return Status::Internal("hopper flash attention: cuTensorMapEncodeTiled unavailable");
+  const int64_t batch = t.shape[0], seqlen = t.shape[1], heads = t.shape[2], dim = t.shape[3];
+  const cuuint64_t global_dim[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(heads),
+                                    static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t global_stride[3] = {static_cast<cuuint64_t>(t.strides[2] * 2),
+                                       static_cast<cuuint64_t>(t.strides[1] * 2),
+                                       static_cast<cuuint64_t>(t.strides[0] * 2)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_stride[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, t.dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            4, t.data, global_dim, global_stride, box, element_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal(std::string("hopper flash attention: tensor map for ") + name + " " + t.ToString() +
+                            " failed (CUresult " + std::to_string(static_cast<int>(r)) + ")");
+  }
+  return Status::Ok();
+}
+
+Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp) {
+  const ForwardParams& p = args.p;
+  const Dims& d = args.dims;
+  EJK_RETURN_IF_ERROR(MakeTensorMap(p.q, block_m, "query", &kp->tma_q));
+  EJK_RETURN_IF_ERROR(MakeTensorMap(p.k, block_n, "key", &kp->tma_k));
+  EJK_RETURN_IF_ERROR(MakeTensorMap(p.v, block_n, "value", &kp->tma_v));
+  kp->out = p.out.data;
+  kp->lse = p.lse.present() ? p.lse.ptr<float>() : nullptr;
+  kp->sinks = p.softmax_aux.present() ? p.softmax_aux.data : nullptr;
+  kp->sink_dtype = static_cast<int>(p.softmax_aux.dtype);
+  kp->batch = static_cast<int>(d.batch);
+  kp->seqlen_q = static_cast<int>(d.seqlen_q);
+  kp->seqlen_k = static_cast<int>(d.seqlen_k);
+  kp->num_q_heads = static_cast<int>(d.num_q_heads);
+  kp->head_ratio = static_cast<int>(d.num_q_heads / d.num_kv_heads);
+  kp->num_m_blocks = static_cast<int>((d.seqlen_q + block_m - 1) / block_m);
+  kp->cu_seqlens_q = nullptr;
+  kp->cu_seqlens_k = nullptr;
+  kp->num_sequences = 0;
+  if (d.varlen) {
+    kp->cu_seqlens_q = p.cu_seqlens_q.ptr<int>();
+    kp->cu_seqlens_k = p.cu_seqlens_k.ptr<int>();
+    kp->num_sequences = static_cast<int>(d.num_sequences);
+    kp->num_m_blocks += kp->num_sequences + 1;  // each sequence (and the padding) may end in a partial block
+  }
+  kp->out_row_stride = d.num_q_heads * d.head_dim;
+  kp->out_batch_stride = d.seqlen_q * d.num_q_heads * d.head_dim;
+  constexpr float kLog2e = 1.4426950408889634f;
+  if (p.logits_soft_cap > 0.0f) {
+    kp->softcap_pre = p.softmax_scale / p.logits_soft_cap;
+    kp->logit_scale = p.logits_soft_cap * kLog2e;
+  } else {
+    kp->softcap_pre = 0.0f;
+    kp->logit_scale = p.softmax_scale * kLog2e;
+  }
+  // Window sides beyond Sq + Sk hide nothing; clamping keeps the kernel's sums in int32.
+  const int64_t unbounded = d.seqlen_q + d.seqlen_k + 1;
+  const int64_t right = p.causal ? (p.window_right >= 0 ? std::min<int64_t>(p.window_right, 0) : 0)
+                                 : (p.window_right >= 0 ? std::min(p.window_right, unbounded) : unbounded);
+  const int64_t left = p.window_left >= 0 ? std::min(p.window_left, unbounded) : unbounded;
+  kp->left = static_cast<int>(left);
+  kp->right = static_cast<int>(right);
+  return Status::Ok();
+}
+
+StatusOr<int> CurrentDeviceSms() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    return Status::Internal("hopper flash attention: cannot read the multiprocessor count");
+  }
+  return sms;
+}
+
+}  // namespace hopper
+
+Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major, int device_minor) {
+  const auto no = [](const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); };
+  if (device_major != 9 || device_minor != 0) {
+    return no("needs compute capability 9.0, got " + std::to_string(device_major) + "." + std::to_string(device_minor));
+  }
+  if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + p.q.ToString());
+  if (!hopper::HeadDimBuilt(dims.head_dim)) {
+    return no("head_dim must be 64, 128 or 256 (as built), got " + std::to_string(dims.head_dim));
+  }
+  if (p.bias.present()) return no("bias is not supported");
+  if (p.mask.present()) return no("mask is not supported");
+  if (p.q_segment_ids.present() || p.kv_segment_ids.present()) return no("segment ids are not supported");
+  if (p.dropout_prob > 0.0f) return no("dropout is not supported");
+  if (!(p.softmax_scale > 0.0f)) return no("softmax_scale must be positive");
+  if (dims.seqlen_k == 0) return no("seqlen_k must be positive");
+  if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
+  if (((dims.seqlen_q + 63) / 64 + dims.num_sequences + 1) * dims.num_q_heads * dims.batch >= (int64_t{1} << 31)) {
+    return no("too many query tiles (batch * num_q_heads * seqlen_q / 64 must be < 2^31)");
+  }
+  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out}) {
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return no("tensors must be 16-byte aligned");
+  }
+  return Status::Ok();
+}
+
+Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream) {
+  if (args.dims.batch == 0 || args.dims.seqlen_q == 0 || args.dims.num_q_heads == 0) return Status::Ok();
+  switch (args.dims.head_dim) {
+#if EJK_FA_HEAD_DIM_ENABLED(64)
+    case 64: return hopper::Launch<64>(args, stream);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(128)
+    case 128: return hopper::Launch<128>(args, stream);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+    case 256: return hopper::Launch<256>(args, stream);
+#endif
+    default: return Status::Unimplemented("hopper flash attention: head_dim " + std::to_string(args.dims.head_dim));
+  }
+}
+
+}  // namespace ejk::flash_attention

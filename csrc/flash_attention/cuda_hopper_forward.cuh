@@ -1,0 +1,806 @@
+// Flash attention forward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
+//
+// One thread block computes kBlockM = 64 * kWarpgroups query rows of one (batch, head):
+//   warpgroup 0  producer: one thread issues the bulk tensor copies (TMA) of Q (once) and of
+//                K and V tiles into a kStages-deep shared-memory ring, each stage guarded by
+//                a "full" mbarrier (transaction bytes) and an "empty" one (consumer warps);
+//   warpgroups 1..kWarpgroups  consumers: each owns 64 query rows, runs S = Q K^T and
+//                O += P V on the tensor cores (wgmma, P from registers) and the online softmax.
+// Overlap: inside a consumer, S for the next key tile and P V for the current one are in
+// flight while the softmax runs; across consumers, named barriers make the warpgroups take
+// turns issuing their products so that one's softmax hides behind another's wgmma.
+// Registers move from the producer to the consumers with setmaxnreg.
+//
+// Key tiles are visited from the last to the first, so the tiles that need masking (the
+// sequence end, the causal diagonal) come first; tiles that the causal/window masks hide
+// entirely are never loaded, and only tiles on a mask boundary are masked element-wise.
+// Rows and keys past the sequence come from TMA's zero fill (or, with packed sequences, from
+// the neighbours, masked); stores skip them. Unmasked calls and packed sequences run on a
+// persistent grid, causal/window calls on one block per tile.
+//
+// Features: bf16/f16, head dims 64/128/256, causal and sliding window (bottom-right aligned),
+// GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), lse output.
+//
+// Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, one
+// block per 64 columns of the head dimension, as TMA writes them and wgmma reads them: Q and
+// K are K-major operands, V is the MN-major B operand of P V.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flash_attention/cuda.h"
+#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/params.h"
+#include "runtime/status.h"
+#include "runtime/tensor.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EJK_HOPPER_DEVICE_CODE 1
+#else
+#define EJK_HOPPER_DEVICE_CODE 0
+#endif
+
+namespace ejk::flash_attention::hopper {
+
+// Tile shapes per head dim. Consumers hold O (D/2 floats per thread), S (kBlockN/2) and P
+// (kBlockN/4) in registers; shared memory holds Q and kStages K/V tiles. kNarrow (causal or
+// window masks, which waste less work on the diagonal with narrower key tiles, or a soft
+// cap, which needs more registers) picks the narrower key tile where it differs.
+//   kWarpgroups: consumer warpgroups (64 query rows each), kBlockM = 64 * kWarpgroups.
+template <int kHeadDim, bool kNarrow>
+struct TileConfig;
+template <bool kNarrow>
+struct TileConfig<64, kNarrow> {
+  static constexpr int kWarpgroups = 3, kBlockN = 128, kStages = 4;
+};
+template <>
+struct TileConfig<128, false> {
+  static constexpr int kWarpgroups = 2, kBlockN = 176, kStages = 2;
+};
+template <>
+struct TileConfig<128, true> {
+  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2;
+};
+template <bool kNarrow>
+struct TileConfig<256, kNarrow> {
+  static constexpr int kWarpgroups = 2, kBlockN = 80, kStages = 2;
+};
+
+template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_>
+struct SmemLayout {
+  static constexpr int kBlockM = 64 * kWarpgroups;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (1 + kWarpgroups);
+  // Registers: the producer warpgroup gives up all but 24 per thread, the consumers share the rest.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = (65536 / 128 - kProducerRegisters) / kWarpgroups / 8 * 8 > 240
+                                                ? 240
+                                                : (65536 / 128 - kProducerRegisters) / kWarpgroups / 8 * 8;
+  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr int kQBlockBytes = kBlockM * 128;  // one 64-column block of Q
+  static constexpr int kKvBlockBytes = kBlockN * 128;
+  static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kColBlocks * kQBlockBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKvTileBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKvTileBytes;
+  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage.
+  static constexpr int kBytes = kBarrierOffset + 8 * (2 + 4 * kStages);
+  static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "tile");
+  static_assert(kAllocBytes <= 232448, "shared memory");
+};
+
+// Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
+struct KernelParams {
+  CUtensorMap tma_q, tma_k, tma_v;
+  void* out;
+  float* lse;
+  const void* sinks;  // [Hq], any float dtype, or null
+  int sink_dtype;
+  int batch, seqlen_q, seqlen_k, num_q_heads, head_ratio;
+  // Dense: m blocks per (batch, head). Packed sequences: an upper bound of the blocks of all
+  // sequences (block i of the bound maps to a sequence and a block of it, or to nothing).
+  int num_m_blocks;
+  const int* cu_seqlens_q;  // packed sequences (device memory), or null
+  const int* cu_seqlens_k;
+  int num_sequences;
+  int64_t out_row_stride, out_batch_stride;  // elements
+  float softcap_pre;   // scale / cap (soft cap only)
+  float logit_scale;   // maps the (capped) score to the log2 domain
+  // Key j is visible to query i iff i + offset - left <= j < i + offset + right + 1 (and j < Sk),
+  // offset = Sk - Sq of the sequence; left/right are clamped so that the sums stay in int32.
+  int left, right;
+};
+
+// Host launcher, instantiated per head dim in cuda_hopper_forward_hdim*.cu.
+template <int kHeadDim>
+Status Launch(const CudaForwardArgs& args, cudaStream_t stream);
+
+#if EJK_HOPPER_DEVICE_CODE
+namespace device {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                          int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void PrefetchTmaDescriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Named barriers (0 is __syncthreads): `Sync` waits, `Arrive` only counts.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving register accesses across wgmma issue/wait points.
+template <int N>
+__device__ __forceinline__ void FenceRegisters(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void FenceRegisters(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. byte offsets: `leading` between
+// 64-column blocks of an MN-major operand (unused for K-major), `stride` between 8-row groups.
+__device__ __forceinline__ uint64_t MakeDescriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading >> 4) << 16) |
+         (static_cast<uint64_t>(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float Tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <bool kF16>
+__device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+  uint32_t r;
+  if constexpr (kF16) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return r;
+}
+
+__device__ __forceinline__ float LoadScalar(const void* base, int dtype, int i) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kF32: return static_cast<const float*>(base)[i];
+    case DType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::kF16: return __half2float(static_cast<const __half*>(base)[i]);
+    case DType::kF64: return static_cast<float>(static_cast<const double*>(base)[i]);
+    default: return 0.0f;
+  }
+}
+
+// D[64x80] (+)= A[64x16] * B[16x80], A and B in shared memory (K-major).
+template <bool kF16>
+__device__ __forceinline__ void WgmmaSS(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// D[64x128] (+)= A[64x16] * B[16x128], A and B in shared memory (K-major).
+template <bool kF16>
+__device__ __forceinline__ void WgmmaSS(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// D[64x176] (+)= A[64x16] * B[16x176], A and B in shared memory (K-major).
+template <bool kF16>
+__device__ __forceinline__ void WgmmaSS(float (&d)[88], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n176k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// D[64x64] (+)= A[64x16] * B[16x64], A in registers, B in shared memory (MN-major).
+template <bool kF16>
+__device__ __forceinline__ void WgmmaRS(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// D[64x128] (+)= A[64x16] * B[16x128], A in registers, B in shared memory (MN-major).
+template <bool kF16>
+__device__ __forceinline__ void WgmmaRS(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// D[64x256] (+)= A[64x16] * B[16x256], A in registers, B in shared memory (MN-major).
+template <bool kF16>
+__device__ __forceinline__ void WgmmaRS(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// One tile of work: kBlockM query rows of one sequence and head, and its key tiles.
+struct Tile {
+  int q_begin, q_len, k_begin, k_len;  // the sequence's rows and keys in the (packed) arrays
+  int m0;                              // first local row of the block
+  int n_end, n_count;                  // key tiles [n_end - n_count, n_end)
+  bool padding;                        // rows past the last packed sequence: no sink
+};
+
+__device__ __forceinline__ int Clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Tiles are ordered by head (and batch), then by m block, the longest blocks (the bottom of a
+// causal mask) first, so that concurrent blocks share K and V in L2. Packed sequences: the
+// whole warp scans cu_seqlens (clamped) for the sequence holding block g of the packed order;
+// the rows past the last sequence form one more, key-less sequence.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int lane) {
+  Tile t;
+  t.padding = false;
+  int m_block = -1;
+  if (p.cu_seqlens_q == nullptr) {
+    m_block = p.num_m_blocks - 1 - tile % p.num_m_blocks;
+    t.q_begin = 0;
+    t.q_len = p.seqlen_q;
+    t.k_begin = 0;
+    t.k_len = p.seqlen_k;
+  } else {
+    t.q_begin = t.q_len = t.k_begin = t.k_len = 0;
+    const int g = tile % p.num_m_blocks;
+    int before = 0;  // blocks of the sequences already scanned
+    for (int base = 0; base <= p.num_sequences; base += 32) {
+      const int i = base + lane;
+      int qb = 0, qe = 0, kb = 0, ke = 0;
+      if (i <= p.num_sequences) {
+        qb = Clamp(p.cu_seqlens_q[i], 0, p.seqlen_q);
+        qe = i < p.num_sequences ? Clamp(p.cu_seqlens_q[i + 1], qb, p.seqlen_q) : p.seqlen_q;
+        if (i < p.num_sequences) {
+          kb = Clamp(p.cu_seqlens_k[i], 0, p.seqlen_k);
+          ke = Clamp(p.cu_seqlens_k[i + 1], kb, p.seqlen_k);
+        }
+      }
+      const int blocks = (qe - qb + kBlockM - 1) / kBlockM;
+      int inclusive = blocks;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += v;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, before + inclusive > g);
+      if (hit != 0) {
+        const int src = __ffs(hit) - 1;
+        t.q_begin = __shfl_sync(0xffffffffu, qb, src);
+        t.q_len = __shfl_sync(0xffffffffu, qe - qb, src);
+        t.k_begin = __shfl_sync(0xffffffffu, kb, src);
+        t.k_len = __shfl_sync(0xffffffffu, ke - kb, src);
+        const int first = before + __shfl_sync(0xffffffffu, inclusive - blocks, src);
+        m_block = __shfl_sync(0xffffffffu, blocks, src) - 1 - (g - first);
+        t.padding = base + src == p.num_sequences;
+        break;
+      }
+      before += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+  }
+  if (m_block < 0) {  // past the packed blocks: nothing to compute or store
+    t.q_len = 0;
+    m_block = 0;
+  }
+  t.m0 = m_block * kBlockM;
+  const int m_last = min(t.m0 + kBlockM, t.q_len) - 1;
+  const int offset = t.k_len - t.q_len;
+  // Keys visible to some row of the block: [lo, hi).
+  const int key_lo = max(0, t.m0 + offset - p.left);
+  const int key_hi = min(t.k_len, m_last + offset + p.right + 1);
+  const int n_begin = key_lo / kBlockN;
+  t.n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : n_begin;
+  t.n_count = t.n_end - n_begin;
+  return t;
+}
+
+// The tile a block takes in its `round`-th turn: a persistent grid walks the tiles back and
+// forth (block b takes tile b, then 2 * grid - 1 - b, ...), which evens out the decreasing
+// lengths of causal tiles across blocks. -1: no more tiles.
+__device__ __forceinline__ int ScheduledTile(int round, int num_tiles) {
+  const int k = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  return k < num_tiles ? k : -1;
+}
+
+// The (head, batch) of a tile.
+__device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* head, int* batch) {
+  const int bh = tile / p.num_m_blocks;
+  *head = p.cu_seqlens_q == nullptr ? bh % p.num_q_heads : bh;
+  *batch = p.cu_seqlens_q == nullptr ? bh / p.num_q_heads : 0;
+}
+
+}  // namespace device
+#endif  // EJK_HOPPER_DEVICE_CODE
+
+template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap>
+__global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(const __grid_constant__ KernelParams p) {
+#if EJK_HOPPER_DEVICE_CODE
+  using namespace device;
+  using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kColBlocks = L::kColBlocks;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_smem = smem + L::kQOffset;
+  const uint32_t k_smem = smem + L::kKOffset;
+  const uint32_t v_smem = smem + L::kVOffset;
+  const uint32_t q_full = smem + L::kBarrierOffset;
+  const uint32_t q_empty = q_full + 8;
+  const auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
+  const auto k_empty = [&](int s) { return q_full + 8 * (2 + kStages + s); };
+  const auto v_full = [&](int s) { return q_full + 8 * (2 + 2 * kStages + s); };
+  const auto v_empty = [&](int s) { return q_full + 8 * (2 + 3 * kStages + s); };
+
+  if (threadIdx.x == 0) {
+    MbarInit(q_full, 1);
+    MbarInit(q_empty, 4 * kWarpgroups);  // one arrival per consumer warp
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(k_full(s), 1);
+      MbarInit(v_full(s), 1);
+      MbarInit(k_empty(s), 4 * kWarpgroups);
+      MbarInit(v_empty(s), 4 * kWarpgroups);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    PrefetchTmaDescriptor(&p.tma_q);
+    PrefetchTmaDescriptor(&p.tma_k);
+    PrefetchTmaDescriptor(&p.tma_v);
+  }
+  __syncthreads();
+
+  const int num_tiles = p.num_m_blocks * p.num_q_heads * p.batch;
+  const int lane = threadIdx.x % 32;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // Producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(L::kProducerRegisters));
+    if (threadIdx.x < 32) {  // one warp decodes tiles, its first lane issues the copies
+      int kv_iter = 0, q_iter = 0;
+      for (int round = 0;; ++round) {
+        const int tile = ScheduledTile(round, num_tiles);
+        if (tile < 0) break;
+        const Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+        int head, batch;
+        TileHead(p, tile, &head, &batch);
+        if (t.n_count == 0 || lane != 0) {
+          kv_iter += t.n_count;
+          q_iter += t.n_count > 0;
+          continue;
+        }
+        MbarWait(q_empty, (q_iter & 1) ^ 1);
+        ++q_iter;
+        MbarExpectTx(q_full, kColBlocks * L::kQBlockBytes);
+#pragma unroll
+        for (int b = 0; b < kColBlocks; ++b) {
+          TmaLoad4d(q_smem + b * L::kQBlockBytes, &p.tma_q, q_full, b * 64, head, t.q_begin + t.m0, batch);
+        }
+        const int kv_head = head / p.head_ratio;
+        for (int it = 0; it < t.n_count; ++it, ++kv_iter) {
+          const int n = t.n_end - 1 - it;
+          const int s = kv_iter % kStages;
+          const uint32_t phase = (kv_iter / kStages) & 1;
+          MbarWait(k_empty(s), phase ^ 1);
+          MbarExpectTx(k_full(s), L::kKvTileBytes);
+#pragma unroll
+          for (int b = 0; b < kColBlocks; ++b) {
+            TmaLoad4d(k_smem + s * L::kKvTileBytes + b * L::kKvBlockBytes, &p.tma_k, k_full(s), b * 64, kv_head,
+                      t.k_begin + n * kBlockN, batch);
+          }
+          MbarWait(v_empty(s), phase ^ 1);
+          MbarExpectTx(v_full(s), L::kKvTileBytes);
+#pragma unroll
+          for (int b = 0; b < kColBlocks; ++b) {
+            TmaLoad4d(v_smem + s * L::kKvTileBytes + b * L::kKvBlockBytes, &p.tma_v, v_full(s), b * 64, kv_head,
+                      t.k_begin + n * kBlockN, batch);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(L::kConsumerRegisters));
+  const int wg = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int t4 = lane % 4;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  // Issue order among consumers: 0, 1, ..., kWarpgroups - 1, 0, ...; each waits on its own
+  // barrier, then lets the next one go.
+  const int own_barrier = 1 + wg, next_barrier = 1 + (wg + 1) % kWarpgroups;
+  const auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) MbarArrive(bar);
+  };
+
+  int kv_iter = 0, q_iter = 0;
+  for (int round = 0;; ++round) {
+    const int tile = ScheduledTile(round, num_tiles);
+    if (tile < 0) break;
+    const Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+    // Accumulator fragment (per warp 16 rows): element 4j + 2r + c is row g + 8r, column 8j + 2t + c.
+    const int row0 = tl.m0 + wg * 64 + warp * 16 + lane / 4;
+
+    float o[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+    // Running max (log2 domain) and this thread's share of the running sum, per row.
+    float row_max[2], row_sum[2];
+    {
+      const bool has_sink = p.sinks != nullptr && !tl.padding;
+      int head, batch;
+      TileHead(p, tile, &head, &batch);
+      const float sink = has_sink ? LoadScalar(p.sinks, p.sink_dtype, head) * kLog2e : -INFINITY;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row_max[r] = sink;
+        row_sum[r] = has_sink && t4 == 0 ? 1.0f : 0.0f;
+      }
+    }
+
+    if (tl.n_count > 0) {
+      float s[kBlockN / 2];
+      uint32_t pr[kBlockN / 4];
+
+      const auto issue_qk = [&](int stage) {
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          const uint64_t desc_a =
+              MakeDescriptor(q_smem + (kk / 4) * L::kQBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
+          const uint64_t desc_b =
+              MakeDescriptor(k_smem + stage * L::kKvTileBytes + (kk / 4) * L::kKvBlockBytes + (kk % 4) * 32, 16, 1024);
+          WgmmaSS<kF16>(s, desc_a, desc_b, kk > 0);
+        }
+      };
+      const auto issue_pv = [&](int stage) {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          const uint32_t a[4] = {pr[4 * kk], pr[4 * kk + 1], pr[4 * kk + 2], pr[4 * kk + 3]};
+          const uint64_t desc_b =
+              MakeDescriptor(v_smem + stage * L::kKvTileBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
+          WgmmaRS<kF16>(o, a, desc_b, 1);
+        }
+      };
+      // Soft cap, mask and online softmax of the scores in s (key tile n); s becomes P
+      // (unnormalised), correction gets the factor for the rows' earlier accumulators.
+      const auto softmax = [&](int n, float (&correction)[2]) {
+        if constexpr (kSoftcap) {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) s[i] = Tanh(s[i] * p.softcap_pre);
+        }
+        const int c0 = n * kBlockN;
+        const int offset = tl.k_len - tl.q_len;
+        const int m_last = min(tl.m0 + kBlockM, tl.q_len) - 1;
+        const bool masked = c0 + kBlockN > tl.k_len || c0 + kBlockN - 1 > tl.m0 + offset + p.right ||
+                            c0 < m_last + offset - p.left;
+        if (masked) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 8 * r;
+            const int hi = min(tl.k_len, row + offset + p.right + 1) - c0 - 2 * t4;
+            const int lo = row + offset - p.left - c0 - 2 * t4;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int col = 8 * j + c;
+                if (col >= hi || col < lo) s[4 * j + 2 * r + c] = -INFINITY;
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float new_max = fmaxf(row_max[r], mx * p.logit_scale);
+          const float base = new_max == -INFINITY ? 0.0f : new_max;
+          correction[r] = Exp2(row_max[r] - base);
+          row_max[r] = new_max;
+          float sum = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float e = Exp2(fmaf(s[4 * j + 2 * r + c], p.logit_scale, -base));
+              s[4 * j + 2 * r + c] = e;
+              sum += e;
+            }
+          }
+          row_sum[r] = row_sum[r] * correction[r] + sum;
+        }
+      };
+      const auto convert = [&]() {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 4; ++i) pr[i] = Pack<kF16>(s[2 * i], s[2 * i + 1]);
+      };
+      const auto rescale = [&](const float (&correction)[2]) {
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            o[4 * j + 2 * r] *= correction[r];
+            o[4 * j + 2 * r + 1] *= correction[r];
+          }
+        }
+      };
+
+      if (wg == kWarpgroups - 1) NamedBarrierArrive(next_barrier, 256);
+      MbarWait(q_full, q_iter & 1);
+
+      float correction[2];
+      int stage = kv_iter % kStages;
+      MbarWait(k_full(stage), (kv_iter / kStages) & 1);
+      NamedBarrierSync(own_barrier, 256);
+      WgmmaFence();
+      issue_qk(stage);
+      WgmmaCommit();
+      NamedBarrierArrive(next_barrier, 256);
+      WgmmaWait<0>();
+      FenceRegisters(s);
+      release(k_empty(stage));
+      softmax(tl.n_end - 1, correction);
+      convert();
+
+      for (int it = 1; it < tl.n_count; ++it) {
+        const int prev = stage;
+        const uint32_t prev_phase = ((kv_iter + it - 1) / kStages) & 1;
+        stage = (kv_iter + it) % kStages;
+        MbarWait(k_full(stage), ((kv_iter + it) / kStages) & 1);
+        MbarWait(v_full(prev), prev_phase);
+        NamedBarrierSync(own_barrier, 256);
+        FenceRegisters(pr);
+        FenceRegisters(o);
+        WgmmaFence();
+        issue_qk(stage);
+        WgmmaCommit();
+        issue_pv(prev);
+        WgmmaCommit();
+        NamedBarrierArrive(next_barrier, 256);
+        WgmmaWait<1>();
+        FenceRegisters(s);
+        release(k_empty(stage));
+        softmax(tl.n_end - 1 - it, correction);
+        WgmmaWait<0>();
+        FenceRegisters(o);
+        FenceRegisters(pr);
+        release(v_empty(prev));
+        rescale(correction);
+        convert();
+      }
+
+      // Q is no longer read: the producer may load the next tile's.
+      release(q_empty);
+      MbarWait(v_full(stage), ((kv_iter + tl.n_count - 1) / kStages) & 1);
+      NamedBarrierSync(own_barrier, 256);
+      FenceRegisters(pr);
+      FenceRegisters(o);
+      WgmmaFence();
+      issue_pv(stage);
+      WgmmaCommit();
+      // The last consumer's final turn has no successor (the first one is done with the tile).
+      if (wg != kWarpgroups - 1) NamedBarrierArrive(next_barrier, 256);
+      WgmmaWait<0>();
+      FenceRegisters(o);
+      release(v_empty(stage));
+      kv_iter += tl.n_count;
+      ++q_iter;
+    }
+
+    // Epilogue: normalise, store O (rows past the sequence are skipped) and the log-sum-exp.
+    int head, batch;
+    TileHead(p, tile, &head, &batch);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int row = row0 + 8 * r;
+      if (row < tl.q_len) {
+        uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
+                        static_cast<int64_t>(tl.q_begin + row) * p.out_row_stride +
+                        static_cast<int64_t>(head) * kHeadDim + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          *reinterpret_cast<uint32_t*>(out + 8 * j) =
+              Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        }
+        if (t4 == 0 && p.lse != nullptr) {
+          p.lse[(static_cast<int64_t>(batch) * p.num_q_heads + head) * p.seqlen_q + tl.q_begin + row] =
+              sum > 0.0f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
+        }
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // a build without sm_90a code must fail loudly, not leave the outputs unwritten
+#endif  // EJK_HOPPER_DEVICE_CODE
+}
+
+// Host side (cuda_hopper_forward.cu): tensor maps and scalars for one call.
+// A bf16/f16 [B, S, H, D] tensor as a 4-d TMA map (D, H, S, B) with boxes of 64 x 1 x
+// box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
+Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
+Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
+// Multiprocessors of the current device: the persistent grid's size.
+StatusOr<int> CurrentDeviceSms();
+
+template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap>
+Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
+  // The soft cap keeps more values live per score: it takes the narrower key tile too.
+  using C = TileConfig<kHeadDim, kMasked || kSoftcap>;
+  using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages>;
+  KernelParams kp;
+  EJK_RETURN_IF_ERROR(PrepareKernelParams(args, L::kBlockM, L::kBlockN, &kp));
+  EJK_ASSIGN_OR_RETURN(const int num_sms, CurrentDeviceSms());
+  void (*kernel)(const KernelParams) = ForwardKernel<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kF16, kSoftcap>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
+      err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
+  }
+  // Equal tiles (no causal/window mask) run on a persistent grid, which overlaps one tile's
+  // epilogue with the next one's loads; masked tiles of unequal length balance better with
+  // one block per tile, dispatched by the hardware as blocks finish (measured on H100).
+  // Packed sequences use the persistent grid: most blocks of the bound are empty.
+  const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
+  const bool persistent = !kMasked || kp.cu_seqlens_q != nullptr;
+  const unsigned grid = static_cast<unsigned>(persistent && tiles > num_sms ? num_sms : tiles);
+  kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention: launch failed: ") + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
+template <int kHeadDim, bool kMasked>
+Status LaunchMasked(const CudaForwardArgs& args, cudaStream_t stream) {
+  const bool f16 = args.p.q.dtype == DType::kF16;
+  if (args.p.logits_soft_cap > 0.0f) {
+    return f16 ? LaunchKernel<kHeadDim, kMasked, true, true>(args, stream)
+               : LaunchKernel<kHeadDim, kMasked, false, true>(args, stream);
+  }
+  return f16 ? LaunchKernel<kHeadDim, kMasked, true, false>(args, stream)
+             : LaunchKernel<kHeadDim, kMasked, false, false>(args, stream);
+}
+
+template <int kHeadDim>
+Status Launch(const CudaForwardArgs& args, cudaStream_t stream) {
+  const ForwardParams& p = args.p;
+  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  return masked ? LaunchMasked<kHeadDim, true>(args, stream) : LaunchMasked<kHeadDim, false>(args, stream);
+}
+
+}  // namespace ejk::flash_attention::hopper

@@ -1,0 +1,363 @@
+// Device-side attention features shared by the mma.sync flash attention kernels (forward and
+// backward): sequence lookup, visible key/query ranges, logit transforms, masks and dropout,
+// exactly as semantics.h defines them.
+//
+// Host:
+//   MakeFeatureArgs(p, dims, seed)  flattens ForwardParams/Dims into FeatureArgs (by value into
+//                                   the kernel); reads no tensor data.
+//   NeedsGeneral(f) / NeedsRanges(f)  which kernel variant a call needs (per-element features;
+//                                   per-row key ranges from causal, window or packed sequences).
+// Device, per element / per row:
+//   LoadFloat(ptr, dtype, i)        element i of a float tensor of any float dtype, as f32.
+//   FindSequence(f, i)              the packed sequence holding query i (varlen: binary search
+//                                   over cu_seqlens_q, values clamped; otherwise the whole row).
+//   FindKeySequence(f, j)           the same for key j (search over cu_seqlens_k).
+//   MakeQueryRow(f, b, h, i)        per-query state reused over key tiles: visible key range
+//                                   [lo, hi) (absolute key indices; causal, window and sequence
+//                                   applied), segment id, dropout row key, padding flag.
+//   VisibleQueryRange(...)          the transposed VisibleKeyRange: the queries that see a key,
+//                                   for kernels that walk query tiles per key tile.
+//   SinkLogit(f, h)                 the sink logit of head h (natural units).
+//   LogitLog2(f, s, bias)           raw q.k -> log2(e) * (SoftCap(scale * s) + bias).
+//   MaskAndSegmentVisible(f, row, b, h, j)     attention mask and segment ids at key j.
+//   ElementVisible<kGeneral>(f, row, b, h, j)  [lo, hi), plus mask and segments if kGeneral.
+//   ElementBias(f, row, b, h, j)    bias[b, h, i, j] (broadcast dims honoured), 0 without bias.
+//   DropoutKept(f, row, j)          whether dropout keeps P[i, j] (true when dropout is off).
+// Device, per C fragment of mma.m16n8k16 (rows are queries, columns keys; see cuda_mma.h):
+//   ScoresToLogits<kN, kGeneral, kCheckRange>(s, f, rows, b, h, col0)
+//       s[nt][e] holds raw q.k for row rows[e / 2] and key col0 + 8 * nt + e % 2 (col0 =
+//       j0 + 2 * (lane % 4)); replaced by log2(e) * logit, or -inf where not visible.
+//       kCheckRange: test [lo, hi) (boundary tiles only); kGeneral: bias, mask, segments.
+//   MaskScores<kN>(s, rows, col0)   sets the elements outside [lo, hi) to -inf, leaving the
+//                                   others as they are (kernels that fold the scale elsewhere).
+//   ApplyDropout<kN>(p, f, rows, col0)  zeroes the dropped probabilities of such a fragment.
+//
+// Logits are kept in log2 units (exp2f on the SFU); lse = (m + log2(l)) * ln(2).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flash_attention/params.h"
+#include "flash_attention/semantics.h"
+#include "runtime/tensor.h"
+
+namespace ejk::flash_attention::mma {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct FeatureArgs {
+  int32_t seqlen_q = 0, seqlen_k = 0;  // per batch row; packed totals with varlen
+  int32_t num_q_heads = 1;
+  int32_t group = 1;  // num_q_heads / num_kv_heads
+  // Varlen: cu_q/cu_k non-null, num_sequences entries + 1 each, device memory (clamped here).
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int32_t num_sequences = 0;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  float scale = 1.0f;       // softmax_scale
+  float scale_log2 = kLog2e;  // softmax_scale * log2(e)
+  float soft_cap = 0.0f;    // 0: off
+  // bias/mask element (b, h, i, j) is at b * stride_b + h * stride_h + i * seqlen_k + j; a
+  // broadcast dim has stride 0.
+  const void* bias = nullptr;
+  DType bias_dtype = DType::kF32;
+  int64_t bias_stride_b = 0, bias_stride_h = 0;
+  const uint8_t* mask = nullptr;
+  int64_t mask_stride_b = 0, mask_stride_h = 0;
+  const int32_t* q_segment = nullptr;   // [B, Sq]
+  const int32_t* kv_segment = nullptr;  // [B, Sk]
+  const void* sink = nullptr;  // [Hq] sink logits
+  DType sink_dtype = DType::kF32;
+  bool dropout = false;
+  const uint32_t* dropout_seed = nullptr;  // device scalar
+  uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.0f;  // 1 / (1 - p)
+};
+
+inline FeatureArgs MakeFeatureArgs(const ForwardParams& p, const Dims& d, const uint32_t* dropout_seed) {
+  FeatureArgs f;
+  f.seqlen_q = static_cast<int32_t>(d.seqlen_q);
+  f.seqlen_k = static_cast<int32_t>(d.seqlen_k);
+  f.num_q_heads = static_cast<int32_t>(d.num_q_heads);
+  f.group = static_cast<int32_t>(d.num_q_heads / d.num_kv_heads);
+  if (d.varlen) {
+    f.cu_q = p.cu_seqlens_q.ptr<int32_t>();
+    f.cu_k = p.cu_seqlens_k.ptr<int32_t>();
+    f.num_sequences = static_cast<int32_t>(d.num_sequences);
+  }
+  f.causal = p.causal;
+  f.window_left = p.window_left;
+  f.window_right = p.window_right;
+  f.scale = p.softmax_scale;
+  f.scale_log2 = p.softmax_scale * kLog2e;
+  f.soft_cap = p.logits_soft_cap;
+  const int64_t plane = d.seqlen_q * d.seqlen_k;
+  if (p.bias.present()) {
+    f.bias = p.bias.data;
+    f.bias_dtype = p.bias.dtype;
+    f.bias_stride_h = p.bias.dim(1) == 1 ? 0 : plane;
+    f.bias_stride_b = p.bias.dim(0) == 1 ? 0 : p.bias.dim(1) * plane;
+  }
+  if (p.mask.present()) {
+    f.mask = p.mask.ptr<uint8_t>();
+    f.mask_stride_h = p.mask.dim(1) == 1 ? 0 : plane;
+    f.mask_stride_b = p.mask.dim(0) == 1 ? 0 : p.mask.dim(1) * plane;
+  }
+  if (p.q_segment_ids.present()) {
+    f.q_segment = p.q_segment_ids.ptr<int32_t>();
+    f.kv_segment = p.kv_segment_ids.ptr<int32_t>();
+  }
+  if (p.softmax_aux.present()) {
+    f.sink = p.softmax_aux.data;
+    f.sink_dtype = p.softmax_aux.dtype;
+  }
+  if (p.dropout_prob > 0.0f) {
+    f.dropout = true;
+    f.dropout_seed = dropout_seed;
+    f.dropout_threshold = DropoutThreshold(p.dropout_prob);
+    f.dropout_scale = 1.0f / (1.0f - p.dropout_prob);
+  }
+  return f;
+}
+
+// True when some per-element feature (bias, mask, segments, dropout) is on.
+inline bool NeedsGeneral(const FeatureArgs& f) {
+  return f.bias != nullptr || f.mask != nullptr || f.q_segment != nullptr || f.dropout;
+}
+
+// True when rows see different key ranges (causal, window or packed sequences).
+inline bool NeedsRanges(const FeatureArgs& f) {
+  return f.causal || f.window_left >= 0 || f.window_right >= 0 || f.cu_q != nullptr;
+}
+
+__device__ __forceinline__ float LoadFloat(const void* base, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(base)[i];
+    case DType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::kF16: return __half2float(static_cast<const __half*>(base)[i]);
+    case DType::kF64: return static_cast<float>(static_cast<const double*>(base)[i]);
+    default: return 0.0f;
+  }
+}
+
+__device__ __forceinline__ int32_t ClampIndex(int32_t x, int32_t lo, int32_t hi) { return min(max(x, lo), hi); }
+
+// One packed sequence: queries [q_begin, q_end), keys [k_begin, k_end); real is false for
+// rows past the last sequence (padding).
+struct SeqBounds {
+  int32_t q_begin, q_end, k_begin, k_end;
+  bool real;
+};
+
+__device__ __forceinline__ SeqBounds SequenceAt(const FeatureArgs& f, int32_t n) {
+  SeqBounds s;
+  s.q_begin = ClampIndex(__ldg(f.cu_q + n), 0, f.seqlen_q);
+  s.q_end = ClampIndex(__ldg(f.cu_q + n + 1), s.q_begin, f.seqlen_q);
+  s.k_begin = ClampIndex(__ldg(f.cu_k + n), 0, f.seqlen_k);
+  s.k_end = ClampIndex(__ldg(f.cu_k + n + 1), s.k_begin, f.seqlen_k);
+  s.real = true;
+  return s;
+}
+
+// The last sequence whose (clamped) start in `cu` is <= x; -1 if none.
+__device__ __forceinline__ int32_t LastStartAtOrBefore(const int32_t* cu, int32_t n, int32_t total, int32_t x) {
+  int32_t lo = 0, hi = n;  // answer in [lo - 1, hi)
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) / 2;
+    if (ClampIndex(__ldg(cu + mid), 0, total) <= x) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo - 1;
+}
+
+__device__ __forceinline__ SeqBounds FindSequence(const FeatureArgs& f, int32_t i) {
+  if (f.cu_q == nullptr) return SeqBounds{0, f.seqlen_q, 0, f.seqlen_k, true};
+  const int32_t n = LastStartAtOrBefore(f.cu_q, f.num_sequences, f.seqlen_q, i);
+  if (n < 0) return SeqBounds{0, 0, 0, 0, false};
+  SeqBounds s = SequenceAt(f, n);
+  s.real = i < s.q_end;
+  return s;
+}
+
+__device__ __forceinline__ SeqBounds FindKeySequence(const FeatureArgs& f, int32_t j) {
+  if (f.cu_q == nullptr) return SeqBounds{0, f.seqlen_q, 0, f.seqlen_k, true};
+  const int32_t n = LastStartAtOrBefore(f.cu_k, f.num_sequences, f.seqlen_k, j);
+  if (n < 0) return SeqBounds{0, 0, 0, 0, false};
+  SeqBounds s = SequenceAt(f, n);
+  s.real = j < s.k_end;
+  return s;
+}
+
+// Queries [*begin, *end) of a sequence of num_queries queries that see local key j, the
+// inverse of VisibleKeyRange (same offset = num_keys - num_queries).
+__device__ __forceinline__ void VisibleQueryRange(int64_t j, int64_t num_queries, int64_t offset, bool causal,
+                                                  int64_t window_left, int64_t window_right, int64_t* begin,
+                                                  int64_t* end) {
+  int64_t lo = 0, hi = num_queries;
+  // causal: j <= i + offset; window_right: j <= i + offset + wr; window_left: i + offset - wl <= j.
+  if (causal && j - offset > lo) lo = j - offset;
+  if (window_right >= 0 && j - offset - window_right > lo) lo = j - offset - window_right;
+  if (window_left >= 0 && j - offset + window_left + 1 < hi) hi = j - offset + window_left + 1;
+  if (hi < lo) hi = lo;
+  *begin = lo;
+  *end = hi;
+}
+
+// Per query row, computed once and reused over key tiles.
+struct QueryRow {
+  int32_t index;      // query index within the batch row (packed with varlen), <= Sq - 1
+  int32_t lo, hi;     // visible keys [lo, hi), absolute; lo == hi when none
+  int32_t segment;    // q segment id (segments on)
+  uint32_t dropout_key;
+  bool real;          // in [0, Sq) and not padding
+};
+
+// b, h: batch row and query head; i may be >= Sq (then the row sees nothing, real is false,
+// and index is clamped so that feature reads for it stay in bounds). Needs Sq >= 1.
+__device__ __forceinline__ QueryRow MakeQueryRow(const FeatureArgs& f, int32_t b, int32_t h, int32_t i) {
+  QueryRow r;
+  r.index = i < f.seqlen_q ? i : f.seqlen_q - 1;  // rows past Sq read row Sq - 1's data
+  r.lo = 0;
+  r.hi = 0;
+  r.segment = 0;
+  r.dropout_key = 0;
+  r.real = false;
+  if (i >= f.seqlen_q) return r;
+  const SeqBounds s = FindSequence(f, i);
+  if (!s.real) return r;
+  r.real = true;
+  const int64_t q_len = s.q_end - s.q_begin, k_len = s.k_end - s.k_begin;
+  int64_t lo, hi;
+  VisibleKeyRange(i - s.q_begin, k_len, k_len - q_len, f.causal, f.window_left, f.window_right, &lo, &hi);
+  lo = lo < k_len ? lo : k_len;
+  hi = hi > lo ? hi : lo;
+  r.lo = s.k_begin + static_cast<int32_t>(lo);
+  r.hi = s.k_begin + static_cast<int32_t>(hi);
+  if (f.q_segment != nullptr) r.segment = __ldg(f.q_segment + static_cast<int64_t>(b) * f.seqlen_q + i);
+  if (f.dropout) {
+    r.dropout_key = DropoutRowKey(__ldg(f.dropout_seed), static_cast<uint32_t>(b * f.num_q_heads + h),
+                                  static_cast<uint32_t>(i));
+  }
+  return r;
+}
+
+__device__ __forceinline__ float SinkLogit(const FeatureArgs& f, int32_t h) { return LoadFloat(f.sink, f.sink_dtype, h); }
+
+// Raw q.k (plus the bias term, 0 without bias) -> log2(e) * (SoftCap(scale * s) + bias).
+__device__ __forceinline__ float LogitLog2(const FeatureArgs& f, float s, float bias) {
+  if (f.soft_cap > 0.0f) return (f.soft_cap * tanhf(s * f.scale / f.soft_cap) + bias) * kLog2e;
+  return fmaf(s, f.scale_log2, bias * kLog2e);
+}
+
+__device__ __forceinline__ float ElementBias(const FeatureArgs& f, const QueryRow& row, int32_t b, int32_t h, int32_t j) {
+  if (f.bias == nullptr) return 0.0f;
+  const int64_t at = b * f.bias_stride_b + h * f.bias_stride_h + static_cast<int64_t>(row.index) * f.seqlen_k + j;
+  return LoadFloat(f.bias, f.bias_dtype, at);
+}
+
+// The attention mask and the segment ids at key j (true when neither is given). Reads memory:
+// call only for keys inside the tensor.
+__device__ __forceinline__ bool MaskAndSegmentVisible(const FeatureArgs& f, const QueryRow& row, int32_t b, int32_t h,
+                                                      int32_t j) {
+  if (f.mask != nullptr &&
+      !__ldg(f.mask + b * f.mask_stride_b + h * f.mask_stride_h + static_cast<int64_t>(row.index) * f.seqlen_k + j)) {
+    return false;
+  }
+  return f.q_segment == nullptr || __ldg(f.kv_segment + static_cast<int64_t>(b) * f.seqlen_k + j) == row.segment;
+}
+
+// kGeneral: mask and segments too. Reads memory only for j in [lo, hi).
+template <bool kGeneral>
+__device__ __forceinline__ bool ElementVisible(const FeatureArgs& f, const QueryRow& row, int32_t b, int32_t h,
+                                               int32_t j) {
+  if (j < row.lo || j >= row.hi) return false;
+  if constexpr (kGeneral) return MaskAndSegmentVisible(f, row, b, h, j);
+  return true;
+}
+
+__device__ __forceinline__ bool DropoutKept(const FeatureArgs& f, const QueryRow& row, int32_t j) {
+  return !f.dropout || DropoutKeep(row.dropout_key, static_cast<uint32_t>(j), f.dropout_threshold);
+}
+
+template <int kN, bool kGeneral, bool kCheckRange>
+__device__ __forceinline__ void ScoresToLogits(float (&s)[kN][4], const FeatureArgs& f, const QueryRow (&rows)[2],
+                                               int32_t b, int32_t h, int32_t col0) {
+  if constexpr (!kGeneral) {
+    if (f.soft_cap > 0.0f) {
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = LogitLog2(f, s[nt][e], 0.0f);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= f.scale_log2;
+      }
+    }
+    if constexpr (kCheckRange) {
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t j = col0 + nt * 8 + (e & 1);
+          const QueryRow& r = rows[e >> 1];
+          if (j < r.lo || j >= r.hi) s[nt][e] = -INFINITY;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t j = col0 + nt * 8 + (e & 1);
+        const QueryRow& r = rows[e >> 1];
+        const bool in_range = !kCheckRange || (j >= r.lo && j < r.hi);
+        if (in_range && MaskAndSegmentVisible(f, r, b, h, j)) {
+          s[nt][e] = LogitLog2(f, s[nt][e], ElementBias(f, r, b, h, j));
+        } else {
+          s[nt][e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void MaskScores(float (&s)[kN][4], const QueryRow (&rows)[2], int32_t col0) {
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t j = col0 + nt * 8 + (e & 1);
+      const QueryRow& r = rows[e >> 1];
+      if (j < r.lo || j >= r.hi) s[nt][e] = -INFINITY;
+    }
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void ApplyDropout(float (&p)[kN][4], const FeatureArgs& f, const QueryRow (&rows)[2],
+                                             int32_t col0) {
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t j = col0 + nt * 8 + (e & 1);
+      if (!DropoutKeep(rows[e >> 1].dropout_key, static_cast<uint32_t>(j), f.dropout_threshold)) p[nt][e] = 0.0f;
+    }
+  }
+}
+
+}  // namespace ejk::flash_attention::mma

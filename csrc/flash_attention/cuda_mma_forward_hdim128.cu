@@ -1,0 +1,18 @@
+// Flash attention forward, mma.sync kernels for head dim 128 (tile configs: cuda_mma_forward.cuh).
+#include "flash_attention/cuda_head_dims.h"
+
+#if EJK_FA_HEAD_DIM_ENABLED(128)
+
+#include "flash_attention/cuda_mma_forward.cuh"
+
+namespace ejk::flash_attention {
+
+Status ForwardMmaHeadDim128(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  using namespace mma;
+  return DispatchDType<TileConfig<128, 128, 64, 4, 2>, TileConfig<128, 128, 32, 4, 2>,
+                       TileConfig<128, 128, 64, 8, 2>, TileConfig<128, 64, 64, 4, 2>>(args, cfg, stream);
+}
+
+}  // namespace ejk::flash_attention
+
+#endif  // EJK_FA_HEAD_DIM_ENABLED(128)

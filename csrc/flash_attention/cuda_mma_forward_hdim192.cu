@@ -1,0 +1,18 @@
+// Flash attention forward, mma.sync kernels for head dim 192 (tile configs: cuda_mma_forward.cuh).
+#include "flash_attention/cuda_head_dims.h"
+
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+
+#include "flash_attention/cuda_mma_forward.cuh"
+
+namespace ejk::flash_attention {
+
+Status ForwardMmaHeadDim192(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  using namespace mma;
+  return DispatchDType<TileConfig<192, 128, 64, 8, 2>, TileConfig<192, 64, 64, 4, 2>,
+                       TileConfig<192, 64, 32, 4, 2>>(args, cfg, stream);
+}
+
+}  // namespace ejk::flash_attention
+
+#endif  // EJK_FA_HEAD_DIM_ENABLED(192)

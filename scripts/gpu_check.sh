@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Builds ejkernel with its CUDA kernels on an NVIDIA GPU machine and runs the GPU checks:
-# build info, the flash attention tests on the GPU (the CUDA implementations against the
-# float32 XLA reference), and compute-sanitizer memcheck/racecheck on small shapes.
-# Logs go to $OUT (default /tmp/ejkernel-gpu).
+# The GPU test suite, for a machine with an NVIDIA GPU: builds ejkernel with its CUDA kernels,
+# prints the build, runs the flash attention and paged attention tests on the GPU (the CUDA
+# kernels against float64 references, plus XLA on the GPU), then compute-sanitizer memcheck
+# and racecheck on small shapes. Logs go to $OUT (default /tmp/ejkernel-gpu).
+#   EJKERNEL_CUDA_ARCHS=90a   architectures to build (default: 90a, the H100's)
+#   GPU_CHECK_SKIP_BUILD=1    reuse the installed build
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ejkernel-gpu}
@@ -10,20 +12,31 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PYTHON=${PYTHON:-python3}
 ARCHS=${EJKERNEL_CUDA_ARCHS:-90a}
+status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-start=$(date +%s)
-"$PYTHON" -m pip install --no-build-isolation --no-deps -q . \
-  -C cmake.define.EJKERNEL_CUDA=ON -C cmake.define.EJKERNEL_CUDA_ARCHS="$ARCHS" \
-  -C build-dir=build/gpu >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
+  start=$(date +%s)
+  "$PYTHON" -m pip install --no-build-isolation --no-deps -q . \
+    -C cmake.define.EJKERNEL_CUDA=ON -C cmake.define.EJKERNEL_CUDA_ARCHS="$ARCHS" \
+    -C build-dir=build/gpu >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
 "$PYTHON" -X faulthandler -m ejkernel 2>&1 | tee "$OUT/info.txt"
 
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/flash_attention/test_flash_attention.py -k "cuda or xla" 2>&1 | tee "$OUT/tests.log" | tail -15
+"$PYTHON" -m pytest -q -p no:cacheprovider -n 8 tests/flash_attention tests/paged_attention \
+  -k "${GPU_CHECK_TESTS:-cuda or xla}" 2>&1 | tee "$OUT/tests.log" | tail -15
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 for tool in memcheck racecheck; do
-  timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 --target-processes all \
-    "$PYTHON" tests/flash_attention/sanitize_cuda.py >"$OUT/sanitizer-$tool.log" 2>&1
-  echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer-$tool.log") clean summaries)"
-  tail -3 "$OUT/sanitizer-$tool.log"
+  for script in tests/flash_attention/sanitize_cuda.py tests/paged_attention/sanitize_cuda.py; do
+    [ -f "$script" ] || continue
+    name=$(basename "$(dirname "$script")")
+    timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 3 --target-processes all \
+      "$PYTHON" "$script" >"$OUT/sanitizer-$tool-$name.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool $name: exit $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool-$name.log" | tail -n 1)"
+    [ "$rc" = 0 ] || { status=1; tail -5 "$OUT/sanitizer-$tool-$name.log"; }
+  done
 done
+exit $status

@@ -1,10 +1,13 @@
 """The main job: benchmarks ejkernel's kernels on this machine's default device.
 
-Prints correctness and speed against XLA side by side, with a progress display, and
-writes the results as JSON under benchmarks/results/.
+On an NVIDIA GPU: flash attention against cuDNN, Pallas and XLA (flash_attention_gpu.py)
+and paged attention against a device copy, Pallas and XLA (paged_attention_gpu.py). On a
+CPU: flash attention against XLA. Results go to benchmarks/results/ as JSON (and PNG plots
+on the GPU).
 
     python benchmarks/run.py            # the full suite for the default device
     python benchmarks/run.py --quick    # small sizes only
+    python benchmarks/run.py --cpu      # the CPU suite even where the default device is a GPU
 """
 
 from __future__ import annotations
@@ -22,8 +25,19 @@ import flash_attention_cpu  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="sequence lengths up to 2048 only")
+    parser.add_argument("--quick", action="store_true", help="small sizes only")
+    parser.add_argument("--cpu", action="store_true", help="run the CPU suite on a GPU machine")
     args = parser.parse_args()
+
+    if jax.default_backend() == "gpu" and not args.cpu:
+        import flash_attention_gpu
+        import paged_attention_gpu
+
+        sys.argv = [sys.argv[0]] + (["--quick"] if args.quick else [])
+        flash_attention_gpu.main()
+        sys.argv = sys.argv[:1]
+        paged_attention_gpu.main()
+        return
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

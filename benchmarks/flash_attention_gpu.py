@@ -1,0 +1,337 @@
+"""Flash attention on an NVIDIA GPU: ejkernel's CUDA kernels against cuDNN, XLA and Pallas, in
+one process, forward and forward+backward.
+
+The grid follows FlashAttention-3's: B * S = 16384 tokens, H * D = 2048, head dims 64/128/256,
+S from 512 to 16384, causal and not; plus GQA 32/8, a sliding window of 1024 against full
+causal attention at S = 16384, and packed variable-length sequences. TFLOP/s count only the
+visible (unmasked) score entries: 4 * B * H * D * visible pairs forward, 2.5x that backward.
+
+    python benchmarks/flash_attention_gpu.py [--quick] [--out benchmarks/results]
+    # in parts (e.g. to fit a time limit), then one JSON and plot from the parts:
+    python benchmarks/flash_attention_gpu.py --head-dims 64,128 --no-extra --part a
+    python benchmarks/flash_attention_gpu.py --head-dims 256 --part b
+    python benchmarks/flash_attention_gpu.py --merge a b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.modules import flash_attention
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    kv_heads: int = 0  # 0: same as heads
+    causal: bool = False
+    window: int = -1  # left window (with causal), -1: none
+    varlen: bool = False  # pack `batch` sequences of random lengths into one row
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    def visible_pairs(self, lengths: list[int] | None = None) -> float:
+        seqs = lengths or [self.seqlen] * self.batch
+        total = 0.0
+        for s in seqs:
+            if self.window >= 0:
+                w = self.window + 1  # keys i - window .. i
+                total += sum(min(i + 1, w) for i in range(s)) if s <= 65536 else s * w
+            elif self.causal:
+                total += s * (s + 1) / 2
+            else:
+                total += s * s
+        return total
+
+
+def fa3_grid(quick: bool, head_dims: tuple[int, ...] = (64, 128, 256)) -> list[Case]:
+    lengths = (512, 1024, 2048, 4096, 8192, 16384)
+    if quick:
+        lengths = (1024, 4096)
+    cases = []
+    for head_dim in head_dims:
+        for causal in (False, True):
+            for s in lengths:
+                cases.append(Case("fa3", 16384 // s, s, 2048 // head_dim, head_dim, causal=causal))
+    return cases
+
+
+def extra_cases() -> list[Case]:
+    return [
+        Case("gqa", 4, 4096, 32, 128, kv_heads=8),
+        Case("gqa", 4, 4096, 32, 128, kv_heads=8, causal=True),
+        Case("full_causal_16k", 1, 16384, 16, 128, causal=True),
+        Case("window_1024_16k", 1, 16384, 16, 128, causal=True, window=1024),
+        Case("varlen", 16, 2048, 16, 128, causal=True, varlen=True),
+    ]
+
+
+def _inputs(case: Case, rng: np.random.Generator):
+    b = 1 if case.varlen else case.batch
+    s = case.batch * case.seqlen if case.varlen else case.seqlen
+
+    def normal(h):
+        return jnp.asarray(rng.standard_normal((b, s, h, case.head_dim), np.float32), jnp.bfloat16)
+
+    q, k, v, g = normal(case.heads), normal(case.num_kv_heads), normal(case.num_kv_heads), normal(case.heads)
+    lengths = None
+    if case.varlen:
+        # Random lengths around seqlen, summing to the packed row.
+        cuts = np.sort(rng.choice(np.arange(1, s), case.batch - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [s]])).tolist()
+    return q, k, v, g, lengths
+
+
+def _ours(case: Case, lengths) -> Callable:
+    kw: dict[str, Any] = dict(causal=case.causal, platform="cuda")
+    if case.window >= 0:
+        kw["sliding_window"] = (case.window, 0)
+    if lengths is not None:
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        kw.update(cum_seqlens_q=cu, cum_seqlens_k=cu)
+    return lambda q, k, v: flash_attention(q, k, v, **kw)
+
+
+# XLA materialises the S x S scores: past this length it only shows how far behind it is.
+XLA_MAX_SEQLEN = 4096
+
+
+def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
+    if implementation == "xla" and case.seqlen * (case.batch if case.varlen else 1) > XLA_MAX_SEQLEN:
+        return None
+    kw: dict[str, Any] = dict(is_causal=case.causal, implementation=implementation)
+    if case.window >= 0:
+        kw["local_window_size"] = (case.window, 0)
+    if lengths is not None:
+        # Padded layout [num_seqs, max_len] with per-sequence lengths: what cuDNN offers for varlen.
+        return None
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)
+
+
+def _pallas_mgpu(case: Case, lengths) -> Callable | None:
+    """JAX's Pallas Mosaic GPU attention (Hopper); it applies no softmax scale, so q is scaled."""
+    if lengths is not None or case.window >= 0:
+        return None
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    blocks = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64) if not case.causal else {}
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=64 if case.head_dim > 128 else 128,
+                                         max_concurrent_steps=2, causal=case.causal, **blocks)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    return lambda q, k, v: attention_mgpu.attention(q * jnp.asarray(scale, q.dtype), k, v, config)
+
+
+def _pallas_triton(case: Case, lengths) -> Callable | None:
+    """JAX's Pallas Triton attention (any NVIDIA GPU); no GQA, no window. Timed only at
+    d=128, where the Mosaic GPU kernel is the stronger Pallas anchor elsewhere too."""
+    if lengths is not None or case.window >= 0 or case.num_kv_heads != case.heads or case.head_dim != 128:
+        return None
+    from jax.experimental.pallas.ops.gpu import attention
+
+    scale = 1.0 / math.sqrt(case.head_dim)
+    return lambda q, k, v: attention.mha(q, k, v, segment_ids=None, sm_scale=scale, causal=case.causal)
+
+
+def _fwd_bwd(fn: Callable) -> Callable:
+    def loss(q, k, v, g):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _time_ms(fn: Callable, args: tuple, budget_s: float = 0.4) -> float:
+    """Median per-call time over batches of calls (one host sync per batch)."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = max(time.perf_counter() - start, 1e-5)
+    per_batch = max(1, min(50, int(0.05 / once)))
+    batches = max(3, min(10, int(budget_s / (once * per_batch))))
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) * 1e3 / per_batch)
+    return float(np.median(times))
+
+
+def _relative_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, Any]:
+    q, k, v, g, lengths = _inputs(case, rng)
+    flops = 4.0 * case.heads * case.head_dim * case.visible_pairs(lengths)
+    impls = {
+        "ours": _ours(case, lengths),
+        "cudnn": _dpa(case, lengths, "cudnn"),
+        "xla": _dpa(case, lengths, "xla"),
+    }
+    for name, make in (("pallas_mgpu", _pallas_mgpu), ("pallas_triton", _pallas_triton)):
+        try:
+            impls[name] = make(case, lengths)
+        except Exception as exc:  # noqa: BLE001 - not in this JAX, or refuses the shape
+            impls[name] = None
+            row_note = f"{type(exc).__name__}: {exc}"[:200]
+            impls.setdefault("_notes", []).append(f"{name}: {row_note}")
+    row: dict[str, Any] = dataclasses.asdict(case)
+    row["tflop_fwd"] = flops / 1e12
+    for note in impls.pop("_notes", []):
+        row.setdefault("notes", []).append(note)
+    reference = None
+    for name, fn in impls.items():
+        if fn is None:
+            row[f"{name}_fwd_ms"] = None
+            continue
+        try:
+            jitted = jax.jit(fn)
+            out = jitted(q, k, v)
+            if reference is None and name == "ours":
+                reference = out
+            elif reference is not None:
+                row[f"{name}_diff_vs_ours"] = _relative_error(out, reference)
+            row[f"{name}_fwd_ms"] = _time_ms(jitted, (q, k, v))
+            row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
+            if backward:
+                grad = jax.jit(_fwd_bwd(fn))
+                row[f"{name}_fwdbwd_ms"] = _time_ms(grad, (q, k, v, g))
+                row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
+        except Exception as exc:  # noqa: BLE001 - an anchor that cannot run this case is recorded
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    def cell(r, key):
+        x = r.get(key)
+        return "-" if x is None else f"{x:.0f}"
+
+    for r in rows:
+        for mode in ("fwd", "fwdbwd"):
+            found = [r.get(f"pallas_{kind}_{mode}_tflops") for kind in ("mgpu", "triton")]
+            found = [x for x in found if x]
+            r[f"pallas_{mode}_tflops"] = max(found) if found else None
+
+    def ratio(r, a, b):
+        x, y = r.get(a), r.get(b)
+        return "-" if not x or not y else f"{x / y:.2f}"
+
+    lines = [
+        "| case | B | S | H | Hkv | D | causal | window | ours fwd | cuDNN fwd | Pallas fwd | XLA fwd | fwd ours/cuDNN | ours fwd+bwd | cuDNN fwd+bwd | fwd+bwd ours/cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['batch']} | {r['seqlen']} | {r['heads']} | {r['kv_heads'] or r['heads']} | {r['head_dim']} "
+            f"| {r['causal']} | {r['window']} | {cell(r, 'ours_fwd_tflops')} | {cell(r, 'cudnn_fwd_tflops')} "
+            f"| {cell(r, 'pallas_fwd_tflops')} | {cell(r, 'xla_fwd_tflops')} | {ratio(r, 'ours_fwd_tflops', 'cudnn_fwd_tflops')} "
+            f"| {cell(r, 'ours_fwdbwd_tflops')} | {cell(r, 'cudnn_fwdbwd_tflops')} | {ratio(r, 'ours_fwdbwd_tflops', 'cudnn_fwdbwd_tflops')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [r for r in rows if r["name"] == "fa3"]
+    fig, axes = plt.subplots(2, 6, figsize=(30, 9), squeeze=False)
+    for col, (head_dim, causal) in enumerate((d, c) for d in (64, 128, 256) for c in (False, True)):
+        for row_index, mode in enumerate(("fwd", "fwdbwd")):
+            ax = axes[row_index][col]
+            sel = sorted((r for r in grid if r["head_dim"] == head_dim and r["causal"] == causal), key=lambda r: r["seqlen"])
+            if not sel:
+                continue
+            xs = np.arange(len(sel))
+            names = ("ours", "cudnn", "pallas_mgpu", "pallas_triton", "xla")
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                ys = [r.get(f"{name}_{mode}_tflops") or 0.0 for r in sel]
+                labels = {"ours": "ejkernel", "cudnn": "cuDNN", "pallas_mgpu": "Pallas (Mosaic GPU)",
+                          "pallas_triton": "Pallas (Triton)", "xla": "XLA"}
+                ax.bar(xs + i * width, ys, width, label=labels[name])
+            ax.set_xticks(xs + 0.4 - width / 2, [str(r["seqlen"]) for r in sel])
+            ax.set_title(f"{'forward' if mode == 'fwd' else 'forward+backward'}, d={head_dim}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            if row_index == 0 and col == 0:
+                ax.legend()
+    fig.suptitle(f"Flash attention, bf16, B*S=16384, H*D=2048 ({device})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="S in {1024, 4096} only, plus the extra cases")
+    parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--head-dims", default="64,128,256", help="head dims of the FlashAttention-3 grid")
+    parser.add_argument("--no-extra", action="store_true", help="skip the GQA, window and varlen cases")
+    parser.add_argument("--part", help="write flash_attention_gpu.<part>.json instead of the final files")
+    parser.add_argument("--merge", nargs="+", metavar="PART", help="merge parts into the final JSON and plot")
+    args = parser.parse_args()
+
+    if args.merge:
+        parts = [json.loads((args.out / f"flash_attention_gpu.{p}.json").read_text()) for p in args.merge]
+        meta, rows = parts[0]["meta"], [r for part in parts for r in part["rows"]]
+        (args.out / "flash_attention_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        plot(rows, meta["device"], args.out / "flash_attention_gpu.png")
+        print(format_table(rows))
+        return
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise SystemExit(f"needs an NVIDIA GPU; the default device is {device.platform}")
+    rng = np.random.default_rng(int(time.time_ns() % 2**32))
+    head_dims = tuple(int(d) for d in args.head_dims.split(","))
+    cases = fa3_grid(args.quick, head_dims) + ([] if args.no_extra else extra_cases())
+    rows = []
+    for i, case in enumerate(cases):
+        row = run_case(case, rng, backward=not args.no_backward)
+        rows.append(row)
+        print(f"[{i + 1}/{len(cases)}] {case}: ours {row.get('ours_fwd_tflops', float('nan')):.0f} / "
+              f"cuDNN {row.get('cudnn_fwd_tflops') or float('nan'):.0f} TFLOP/s fwd"
+              + (f"  ({row['ours_error']})" if "ours_error" in row else ""), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import ejkernel
+
+    meta = {"device": device.device_kind, "jax": jax.__version__, "ejkernel": ejkernel.__version__,
+            "dtype": "bfloat16", "flops": "4*H*D*visible pairs forward; 3.5x forward+backward"}
+    name = f"flash_attention_gpu.{args.part}" if args.part else "flash_attention_gpu"
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if not args.part:
+        try:
+            plot(rows, device.device_kind, args.out / "flash_attention_gpu.png")
+        except ImportError as exc:
+            print(f"no plot: {exc}")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

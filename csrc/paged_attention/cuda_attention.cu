@@ -24,14 +24,9 @@
 // and head dims other than 64/128/256 run on a SIMT kernel (one warp per query row and head).
 //
 // Split-KV (flash decoding): each split writes unnormalised fp32 outputs and (max, sum) in
-// base 2 to scratch, and the merge follows. The tensor-core kernel balances the splits of a
-// (tile, kv head) dynamically: each split starts on a few interleaved blocks of the tile's
-// real key range (read on the device) and then claims one block at a time from a counter,
-// so splits on SMs that stream faster take more blocks; the last split to finish (a second
-// counter) merges the partials itself and resets both counters for the next call. The
-// counters are a static device array; launches with more (tile, kv head) pairs than it
-// holds, and the SIMT kernel, split statically and merge in a separate combine kernel.
-// Sinks enter as one extra softmax term in split 0.
+// base 2 to scratch; a combine kernel merges them. Splits divide each tile's real key range
+// (read on the device), so short sequences waste no blocks on empty splits. Sinks enter as
+// one extra softmax term in split 0.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -90,7 +85,6 @@ struct Args {
   int64_t window_left;
   bool causal;
   int num_splits;
-  bool dynamic_splits;  // split mode with counters: claimed blocks, merge by the last split
   int64_t large_tiles;  // per kv head and split; small tiles: max_seqs
   int64_t large_rows;   // rows of a large tile
   bool index_by_rows;   // large tile numbering: see LargeTileStart
@@ -207,14 +201,6 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
-// Split-mode counters of the tensor-core kernel, two per (tile, kv head): blocks claimed,
-// splits finished. Zero at module load; the merging split zeroes its pair again.
-constexpr int64_t kCounterPairs = 16384;
-// head_dim 256 tiles are at the register limit: they split statically and merge in the
-// combine kernel.
-constexpr int kMaxFusedHeadDim = 128;
-__device__ unsigned int g_split_counters[2 * kCounterPairs];
-
 // ---------------------------------------------------------------------------------------
 // Tensor-core tile kernel.
 
@@ -313,67 +299,9 @@ struct SmemLayout {
 // Warps: kWarpsM row groups of 16 x kWarpsD column halves of the output x kWarpsN key
 // slices of each block (warps of one column pair score the same keys; each keeps half of
 // the output, which keeps head_dim 256 within the register file).
-// Four fp32 values into out (dtype of q) at element `index`.
-__device__ __forceinline__ void StoreOut4(const Args& a, int64_t index, float4 v) {
-  if (a.q_dtype == DType::kF32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(a.out) + index) = v;
-  } else if (a.q_dtype == DType::kBF16) {
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(a.out) + index) =
-        make_uint2(cu::PackFloat2<__nv_bfloat16>(v.x, v.y), cu::PackFloat2<__nv_bfloat16>(v.z, v.w));
-  } else {
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(a.out) + index) =
-        make_uint2(cu::PackFloat2<__half>(v.x, v.y), cu::PackFloat2<__half>(v.z, v.w));
-  }
-}
-
-// The merge of every split's partials for the tile's rows, by the last split to finish.
-// `item(r)` is row r's (token, q head) index; s_weight holds tile_rows * num_splits floats.
-template <typename ItemFn>
-__device__ __forceinline__ void MergeSplits(const Args& a, int tile_rows, ItemFn item, float* s_weight) {
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int splits = a.num_splits;
-  const int64_t stride = a.num_tokens * a.num_q_heads;
-  // A warp per row: split weights exp2(m_s - m) / sum, over the lanes.
-  for (int r = warp; r < tile_rows; r += kThreads / 32) {
-    const int64_t it = item(r);
-    float m = -INFINITY;
-    for (int sp = lane; sp < splits; sp += 32) m = fmaxf(m, __ldcg(a.partial_ml + 2 * (sp * stride + it)));
-    m = cu::LaneReduceMax(m, 16);
-    const float base = m == -INFINITY ? 0.0f : m;
-    float sum = 0.0f;
-    for (int sp = lane; sp < splits; sp += 32) {
-      const float ms = __ldcg(a.partial_ml + 2 * (sp * stride + it));
-      const float w = ms == -INFINITY ? 0.0f : FastExp2(ms - base);
-      sum += w * __ldcg(a.partial_ml + 2 * (sp * stride + it) + 1);
-      s_weight[r * splits + sp] = w;
-    }
-    sum = cu::LaneReduceSum(sum, 16);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    __syncwarp();
-    for (int sp = lane; sp < splits; sp += 32) s_weight[r * splits + sp] *= inv;
-  }
-  __syncthreads();
-  // A thread per four output columns of a row.
-  const int64_t D = a.head_dim;
-  const int col4 = static_cast<int>(D / 4);
-  for (int c = tid; c < tile_rows * col4; c += kThreads) {
-    const int r = c / col4;
-    const int64_t index = item(r) * D + (c % col4) * 4;
-    const float* w = s_weight + r * splits;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-    for (int sp = 0; sp < splits; ++sp) {
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(a.partial_o + sp * stride * D + index));
-      const float ws = w[sp];
-      acc.x += ws * x.x; acc.y += ws * x.y; acc.z += ws * x.z; acc.w += ws * x.w;
-    }
-    StoreOut4(a, index, acc);
-  }
-}
-
-template <typename Elem, typename CacheT, int kD, int kWarpsM, int kWarpsD, bool kClaims>
+template <typename Elem, typename CacheT, int kD, int kWarpsM, int kWarpsD>
 __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq& s, int64_t row0,
-                                           int64_t kv_head, int split, int64_t pair) {
+                                           int64_t kv_head, int split) {
   using Stage = StageShape<CacheT, kD>;
   using Layout = SmemLayout<Elem, CacheT, kD>;
   constexpr int kRows = 16 * kWarpsM;
@@ -407,58 +335,12 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   int64_t key_lo = s.kv_start, key_hi = s.kv_len;
   if (a.window_left >= 0) key_lo = max(key_lo, pos_first - a.window_left);
   if (a.causal) key_hi = min(key_hi, pos_last + 1);
-  const int block_lo = static_cast<int>(key_lo / kBlockKeys * kBlockKeys);
-  const int num_blocks = key_hi > key_lo ? static_cast<int>((key_hi - block_lo + kBlockKeys - 1) / kBlockKeys) : 0;
-
-  // Blocks of the key range (0 .. num_blocks - 1) in this split's order; num_blocks ends
-  // the split. Static splits take a contiguous share. Claiming splits (kClaims, in dynamic
-  // mode) start on kInitial interleaved blocks each; then thread 0 claims one block per
-  // iteration and writes its id one iteration after the atomic (whose latency hides behind
-  // a block) into a ring in shared memory; the next barrier publishes it, kStages + 1
-  // iterations before the pipeline first needs it. Ring and claim state stay in shared
-  // memory: the kernel is at its register limit.
-  const bool dynamic = kClaims && a.dynamic_splits;  // kClaims implies kD <= 128
-  const int per_split = (num_blocks + a.num_splits - 1) / a.num_splits;
-  const int first_block = min(num_blocks, split * per_split);
-  const int count = min(num_blocks, first_block + per_split) - first_block;
-  constexpr int kInitial = Stage::kStages + 2;
-  constexpr int kRing = 8;
-  static_assert(kInitial <= kRing, "claim ring too small");
-  __shared__ int s_claims[kClaims ? kRing : 1];
-  __shared__ int s_claim_info[3];  // static splits: first block, block count; the counter pair
-  __shared__ bool s_last;
-  if constexpr (kClaims) {
-    if (tid == 0) {
-      s_claim_info[0] = first_block;
-      s_claim_info[1] = count;
-      s_claim_info[2] = static_cast<int>(pair);
-      for (int i = 0; i < kInitial; ++i) {
-        s_claims[i] = dynamic ? min(num_blocks, i * a.num_splits + split) : (i < count ? first_block + i : num_blocks);
-      }
-    }
-    __syncthreads();
-  }
-  const int kv_begin = block_lo + first_block * kBlockKeys;
-  // First key of local block i, or -1 past the split's end.
-  auto block_key = [&](int i) {
-    if constexpr (kClaims) {
-      const int b = s_claims[i % kRing];
-      return b < num_blocks ? block_lo + b * kBlockKeys : -1;
-    }
-    return i < count ? kv_begin + i * kBlockKeys : -1;
-  };
-  // Thread 0 at iteration `block`: the id of block + kInitial - 1 into the ring (from the
-  // previous iteration's claim), and the next claim.
-  auto next_claim = [&](int block, unsigned int& claimed) {
-    unsigned int* counters = g_split_counters + 2 * s_claim_info[2];
-    if (block > 0) {
-      const int i = block + kInitial - 1;
-      const int b = dynamic ? min(num_blocks, kInitial * a.num_splits + static_cast<int>(claimed))
-                            : (i < s_claim_info[1] ? s_claim_info[0] + i : num_blocks);
-      s_claims[i % kRing] = b;
-    }
-    if (dynamic) claimed = atomicAdd(counters, 1u);
-  };
+  const int64_t block_lo = key_lo / kBlockKeys * kBlockKeys;
+  const int64_t num_blocks = key_hi > key_lo ? (key_hi - block_lo + kBlockKeys - 1) / kBlockKeys : 0;
+  const int64_t per_split = (num_blocks + a.num_splits - 1) / a.num_splits;
+  const int64_t first_block = min(num_blocks, split * per_split);
+  const int count = static_cast<int>(min(num_blocks, first_block + per_split) - first_block);
+  const int64_t kv_begin = block_lo + first_block * kBlockKeys;
 
   // Visible keys [vis_lo, vis_hi) of this thread's two fragment rows (g and g + 8).
   // Keys fit int32 (kv_lens are int32), so the per-element mask compares 32-bit values.
@@ -496,12 +378,12 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   const int key_end = static_cast<int>(key_hi);
   const int page_size = static_cast<int>(a.page_size);
   auto fetch_pages = [&](int block) {
-    const int kv0 = block_key(block);
+    const int kv0 = static_cast<int>(kv_begin) + block * kBlockKeys;
 #pragma unroll
     for (int i = 0; i < Stage::kLoads; ++i) {
       const int j = kv0 + my_key + i * Stage::kKeyStep;
       int32_t page = 0;
-      if (kv0 >= 0 && j < key_end) {
+      if (block < count && j < key_end) {
         page = __ldg(table + (a.page_shift >= 0 ? (j >> a.page_shift) : j / page_size));
       }
       pages[i] = page;
@@ -512,12 +394,12 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     const int stage = block % Stage::kStages;
     char* sk = s_stage + stage * 2 * Stage::kTileBytes;
     char* sv = sk + Stage::kTileBytes;
-    const int kv0 = block_key(block);
+    const int kv0 = static_cast<int>(kv_begin) + block * kBlockKeys;
 #pragma unroll
     for (int i = 0; i < Stage::kLoads; ++i) {
       const int key = my_key + i * Stage::kKeyStep;
       const int j = kv0 + key;
-      const bool valid = kv0 >= 0 && j < key_end;
+      const bool valid = block < count && j < key_end;
       int64_t offset = 0;
       if (valid) {
         const int slot = a.page_shift >= 0 ? (j & (page_size - 1)) : j % page_size;
@@ -570,14 +452,9 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     for (int kk = 0; kk < kD / 16; ++kk) load_q_frag(kk, q_frag[kk]);
   }
 
-  unsigned int claimed = 0;  // thread 0: the last claim, not yet in the ring
-  for (int block = 0; block < (kClaims ? num_blocks : count); ++block) {
+  for (int block = 0; block < count; ++block) {
     cu::CpAsyncWait<Stage::kStages - 2>();
     __syncthreads();
-    if constexpr (kClaims) {
-      if (block_key(block) < 0) break;
-      if (tid == 0) next_claim(block, claimed);
-    }
     issue_copies(block + Stage::kStages - 1);
     cu::CpAsyncCommit();
     if constexpr (kPrefetchPages) fetch_pages(block + Stage::kStages);
@@ -626,7 +503,7 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
 
     // Logits (base 2), the mask only where the warp's keys cross a row's visible range,
     // online softmax, P as A fragments.
-    const int kv0 = block_key(block) + key_base;
+    const int kv0 = static_cast<int>(kv_begin) + block * kBlockKeys + key_base;
     if (a.soft_cap > 0.0f) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
@@ -797,25 +674,6 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
       StoreOutChunk(a, index, v);
     }
   }
-  if (kD > kMaxFusedHeadDim || !a.dynamic_splits) return;
-  // The last split of the pair to get here merges: partials fenced before the count, read
-  // after it (L2, bypassing L1).
-  __threadfence();
-  __syncthreads();
-  unsigned int* counters = g_split_counters + 2 * pair;
-  if (tid == 0) s_last = atomicAdd(counters + 1, 1u) == static_cast<unsigned int>(a.num_splits - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (tid == 0) {
-    counters[0] = 0;
-    counters[1] = 0;
-  }
-  auto item = [&](int r) {
-    const int64_t fr = row0 + r;
-    return (s.q_begin + fr / G) * a.num_q_heads + kv_head * G + fr % G;
-  };
-  MergeSplits(a, static_cast<int>(tile_rows), item, s_epi);
 }
 
 // First large tile of sequence n. With u = query_start_loc[n] * group (its first flattened
@@ -846,8 +704,7 @@ __global__ void __launch_bounds__(kThreads, 2) PagedAttentionKernel(const Args a
     const int64_t rows = s.q_len * a.group;
     if (n < num_seqs && rows > 0 && rows <= kSmallRows) {
       args.block_tables = a.block_tables + n * a.max_pages;
-      AttendTile<Elem, CacheT, kD, kSmallRows / 16, WarpsD(kD), kD <= kMaxFusedHeadDim>(args, smem, s, 0, kv_head, split,
-                                                                 n * a.num_kv_heads + kv_head);
+      AttendTile<Elem, CacheT, kD, kSmallRows / 16, WarpsD(kD)>(args, smem, s, 0, kv_head, split);
     }
   } else if (a.large_tiles > 0) {
     id -= small_blocks;
@@ -863,8 +720,7 @@ __global__ void __launch_bounds__(kThreads, 2) PagedAttentionKernel(const Args a
       const int64_t row0 = (t - start(n)) * LargeTileRows(kD);
       if (rows > kSmallRows && row0 < rows) {
         args.block_tables = a.block_tables + n * a.max_pages;
-        AttendTile<Elem, CacheT, kD, LargeTileRows(kD) / 16, WarpsD(kD), false>(args, smem, s, row0, kv_head, split,
-                                                                         (a.max_seqs + t) * a.num_kv_heads + kv_head);
+        AttendTile<Elem, CacheT, kD, LargeTileRows(kD) / 16, WarpsD(kD)>(args, smem, s, row0, kv_head, split);
       }
     }
   }
@@ -969,7 +825,7 @@ __global__ void __launch_bounds__(kSimtWarps * 32) PagedAttentionSimtKernel(cons
 // go through shared memory, then each thread sums its output columns over the splits.
 
 constexpr int kCombineThreads = 128;
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = kMaxCudaSplits;
 
 __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Args a) {
   __shared__ float s_weight[kMaxSplits];
@@ -1167,17 +1023,18 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
   a.v_scale = p.v_scale;
   a.window_left = p.window_left;
   a.causal = p.causal;
-  a.num_splits = std::clamp(num_splits, 1, kMaxSplits);  // more would not fit the merge buffers
+  if (num_splits > kMaxSplits) {
+    return Status::InvalidArgument("paged attention CUDA: num_splits must be at most " + std::to_string(kMaxSplits) +
+                                   ", got " + std::to_string(num_splits));
+  }
+  a.num_splits = std::max(1, num_splits);
   if (a.num_splits > 1) {
     if (scratch == nullptr) return Status::Internal("paged attention CUDA: split mode without scratch");
     a.partial_o = static_cast<float*>(scratch);
     a.partial_ml = a.partial_o + static_cast<size_t>(a.num_splits) * dims.num_tokens * dims.num_q_heads * D;
   }
-  const bool mma = UsesMma(dims, a.cache_dtype);
-  if (mma) {
+  if (UsesMma(dims, a.cache_dtype)) {
     SetLargeTiles(dims, &a);
-    a.dynamic_splits = a.num_splits > 1 && D <= kMaxFusedHeadDim &&
-                       (a.large_tiles + a.max_seqs) * a.num_kv_heads <= kCounterPairs;
     if (a.cache_dtype == DType::kF8E4M3) {
       a.logit_scale *= kFp8HalfScale;
       a.logit_scale2 *= kFp8HalfScale;
@@ -1193,7 +1050,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
     PagedAttentionSimtKernel<<<grid, kSimtWarps * 32, 0, stream>>>(a);
     EJK_RETURN_IF_ERROR(LastLaunchError("SIMT attention kernel"));
   }
-  if (a.num_splits > 1 && !a.dynamic_splits) {
+  if (a.num_splits > 1) {
     CombineSplitsKernel<<<static_cast<unsigned>(dims.num_tokens * dims.num_q_heads), kCombineThreads, 0, stream>>>(a);
     EJK_RETURN_IF_ERROR(LastLaunchError("split combine"));
   }

@@ -16,6 +16,9 @@
 
 namespace ejk::paged_attention {
 
+// The most split-KV partitions one (query tile, kv head) may take (the combine's limit).
+constexpr int kMaxCudaSplits = 128;
+
 // Multiprocessors of the current device, read once per device.
 int CudaSmCount();
 

@@ -43,6 +43,10 @@ ffi::Error AttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (const std::string reason = CudaAttentionUnsupported(dims); !reason.empty()) {
     return ToFfiError(Status::Unimplemented("paged attention CUDA: " + reason + ", got q " + p.q.ToString()));
   }
+  if (cfg.num_splits > kMaxCudaSplits) {
+    return ToFfiError(Status::InvalidArgument("config: num_splits must be at most " + std::to_string(kMaxCudaSplits) +
+                                              " on CUDA, got " + std::to_string(cfg.num_splits)));
+  }
   const int splits = ResolvedSplits(dims, cfg);
   const size_t bytes = CudaAttentionScratchBytes(dims, splits);
   if (split_workspace->element_type() != ffi::DataType::F32 || split_workspace->size_bytes() != bytes) {

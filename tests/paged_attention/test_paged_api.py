@@ -333,6 +333,14 @@ def test_cuda_platform_without_gpu_is_an_error(base):
         ragged_page_attention(*(base[n] for n in RAGGED), platform="cuda")
 
 
+def test_cuda_rejects_more_splits_than_it_combines(base):
+    if native_unavailable("cuda", "gpu") is not None:
+        pytest.skip("no native CUDA paged attention here")
+    with pytest.raises(Exception, match="num_splits must be at most 128"):
+        jax.block_until_ready(ragged_page_attention(*(base[n] for n in RAGGED), platform="cuda",
+                                                    cfg=PagedAttentionConfig(num_splits=129)))
+
+
 def test_default_platform_and_config(base):
     """Without a platform or config the call still runs (auto choice, heuristic config)."""
     out = ragged_page_attention(*(base[n] for n in RAGGED))

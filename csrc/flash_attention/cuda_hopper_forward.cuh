@@ -15,8 +15,9 @@
 // sequence end, the causal diagonal) come first; tiles that the causal/window masks hide
 // entirely are never loaded, and only tiles on a mask boundary are masked element-wise.
 // Rows and keys past the sequence come from TMA's zero fill (or, with packed sequences, from
-// the neighbours, masked); stores skip them. Unmasked calls and packed sequences run on a
-// persistent grid, causal/window calls on one block per tile.
+// the neighbours, masked); stores skip them. Unmasked calls, bands (sliding windows much
+// narrower than the keys) and packed sequences run on a persistent grid, causal calls on one
+// block per tile.
 //
 // Features: bf16/f16, head dims 64/128/256, causal and sliding window (bottom-right aligned),
 // GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), lse output.
@@ -235,6 +236,26 @@ __device__ __forceinline__ float LoadScalar(const void* base, int dtype, int i) 
   }
 }
 
+// D[64x64] (+)= A[64x16] * B[16x64], A and B in shared memory (K-major); D is the first 32
+// accumulators of d (the first 64 columns of a wider tile's fragment).
+template <bool kF16, int kN>
+__device__ __forceinline__ void WgmmaSSLeading64(float (&d)[kN], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  static_assert(kN >= 32, "fragment");
+  if constexpr (kF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
 // D[64x80] (+)= A[64x16] * B[16x80], A and B in shared memory (K-major).
 template <bool kF16>
 __device__ __forceinline__ void WgmmaSS(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -446,6 +467,11 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kColBlocks = L::kColBlocks;
+  // Partial last key tiles (see issue_qk); not with three consumer warpgroups (d64)
+  // or a soft cap, whose registers cannot hold the extra wgmma code paths: ptxas would
+  // serialise every wgmma of the kernel.
+  constexpr int kPartialN = 64;
+  constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -571,19 +597,28 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       float s[kBlockN / 2];
       uint32_t pr[kBlockN / 4];
 
-      const auto issue_qk = [&](int stage) {
+      // S = Q K^T of one key tile. partial: the sequence's last key tile (visited first) when it
+      // holds at most kPartialN keys: S over its first kPartialN columns only (the mask hides
+      // the rest of s) and P V over as many keys, instead of a mostly empty full tile (S_k =
+      // 4096 with 176-key tiles leaves 48 keys in the last one; measured +0.6% at B4 S4096 H16
+      // d128 on H100). Callers pass constants, so no branch reaches the wgmma sequence.
+      const auto issue_qk = [&](int stage, bool partial) {
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint64_t desc_a =
               MakeDescriptor(q_smem + (kk / 4) * L::kQBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
           const uint64_t desc_b =
               MakeDescriptor(k_smem + stage * L::kKvTileBytes + (kk / 4) * L::kKvBlockBytes + (kk % 4) * 32, 16, 1024);
-          WgmmaSS<kF16>(s, desc_a, desc_b, kk > 0);
+          if (partial) {
+            WgmmaSSLeading64<kF16>(s, desc_a, desc_b, kk > 0);
+          } else {
+            WgmmaSS<kF16>(s, desc_a, desc_b, kk > 0);
+          }
         }
       };
-      const auto issue_pv = [&](int stage) {
+      const auto issue_pv = [&](int stage, bool partial) {
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        for (int kk = 0; kk < (partial ? kPartialN : kBlockN) / 16; ++kk) {
           const uint32_t a[4] = {pr[4 * kk], pr[4 * kk + 1], pr[4 * kk + 2], pr[4 * kk + 3]};
           const uint64_t desc_b =
               MakeDescriptor(v_smem + stage * L::kKvTileBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
@@ -662,19 +697,30 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 
       float correction[2];
       int stage = kv_iter % kStages;
+      const bool first_partial = kPartialTiles && tl.k_len - (tl.n_end - 1) * kBlockN <= kPartialN;
       MbarWait(k_full(stage), (kv_iter / kStages) & 1);
       NamedBarrierSync(own_barrier, 256);
-      WgmmaFence();
-      issue_qk(stage);
-      WgmmaCommit();
-      NamedBarrierArrive(next_barrier, 256);
-      WgmmaWait<0>();
+      const auto first_qk = [&](bool partial) {
+        WgmmaFence();
+        issue_qk(stage, partial);
+        WgmmaCommit();
+        NamedBarrierArrive(next_barrier, 256);
+        WgmmaWait<0>();
+      };
+      if (first_partial) {
+        first_qk(true);
+      } else {
+        first_qk(false);
+      }
       FenceRegisters(s);
       release(k_empty(stage));
       softmax(tl.n_end - 1, correction);
       convert();
 
-      for (int it = 1; it < tl.n_count; ++it) {
+      // One key tile: S of tile `it` and P V of tile it - 1 in flight while the softmax runs.
+      // Branches choosing between wgmma sequences hold whole steps (each ends with every
+      // product complete): a branch around only part of one makes ptxas serialise wgmma.
+      const auto step = [&](int it, bool partial_pv) {
         const int prev = stage;
         const uint32_t prev_phase = ((kv_iter + it - 1) / kStages) & 1;
         stage = (kv_iter + it) % kStages;
@@ -684,9 +730,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         FenceRegisters(pr);
         FenceRegisters(o);
         WgmmaFence();
-        issue_qk(stage);
+        issue_qk(stage, false);
         WgmmaCommit();
-        issue_pv(prev);
+        issue_pv(prev, partial_pv);
         WgmmaCommit();
         NamedBarrierArrive(next_barrier, 256);
         WgmmaWait<1>();
@@ -699,7 +745,15 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         release(v_empty(prev));
         rescale(correction);
         convert();
+      };
+      if (tl.n_count > 1) {
+        if (first_partial) {
+          step(1, true);
+        } else {
+          step(1, false);
+        }
       }
+      for (int it = 2; it < tl.n_count; ++it) step(it, false);
 
       // Q is no longer read: the producer may load the next tile's.
       release(q_empty);
@@ -707,12 +761,19 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       NamedBarrierSync(own_barrier, 256);
       FenceRegisters(pr);
       FenceRegisters(o);
-      WgmmaFence();
-      issue_pv(stage);
-      WgmmaCommit();
       // The last consumer's final turn has no successor (the first one is done with the tile).
-      if (wg != kWarpgroups - 1) NamedBarrierArrive(next_barrier, 256);
-      WgmmaWait<0>();
+      const auto last_pv = [&](bool partial_pv) {
+        WgmmaFence();
+        issue_pv(stage, partial_pv);
+        WgmmaCommit();
+        if (wg != kWarpgroups - 1) NamedBarrierArrive(next_barrier, 256);
+        WgmmaWait<0>();
+      };
+      if (tl.n_count == 1 && first_partial) {
+        last_pv(true);
+      } else {
+        last_pv(false);
+      }
       FenceRegisters(o);
       release(v_empty(stage));
       kv_iter += tl.n_count;
@@ -771,12 +832,15 @@ Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
   }
-  // Equal tiles (no causal/window mask) run on a persistent grid, which overlaps one tile's
-  // epilogue with the next one's loads; masked tiles of unequal length balance better with
+  // Tiles of (nearly) equal length run on a persistent grid, whose producer loads the next
+  // tile's Q, K and V while the consumers finish the current one: no mask, or a band (a
+  // sliding window much narrower than the keys: all but the first few tiles hold the same
+  // number of key tiles). Causal tiles, of linearly decreasing length, balance better with
   // one block per tile, dispatched by the hardware as blocks finish (measured on H100).
   // Packed sequences use the persistent grid: most blocks of the bound are empty.
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
-  const bool persistent = !kMasked || kp.cu_seqlens_q != nullptr;
+  const bool band = 4 * (static_cast<int64_t>(kp.left) + kp.right + 1) <= kp.seqlen_k;
+  const bool persistent = !kMasked || band || kp.cu_seqlens_q != nullptr;
   const unsigned grid = static_cast<unsigned>(persistent && tiles > num_sms ? num_sms : tiles);
   kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {

@@ -99,6 +99,9 @@ CASES = [
          head_dim=192, window=(70, 5)),
     Case("tiles_d256_bf16_sinks_gqa", dtype="bfloat16", batch=1, seq_q=200, seq_k=259, q_heads=4, kv_heads=1,
          head_dim=256, sinks=True, causal=True),
+    # 400 keys = two 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow).
+    Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=400, q_heads=4, kv_heads=2,
+         head_dim=128, sinks=True),
     Case("tiles_d128_deterministic", dtype="bfloat16", batch=2, seq_q=257, seq_k=190, q_heads=4, kv_heads=2,
          head_dim=128, bias="1H", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",

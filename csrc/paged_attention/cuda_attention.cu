@@ -23,10 +23,20 @@
 // is an f16); k_scale folds into the logit scale and v_scale into the output. f32 caches
 // and head dims other than 64/128/256 run on a SIMT kernel (one warp per query row and head).
 //
+// Decode tiles read every page once per call: their copies carry an L2 evict-first policy,
+// so the stream (usually far larger than L2) leaves the code, metadata and partials of this
+// and the next calls in L2.
+//
 // Split-KV (flash decoding): each split writes unnormalised fp32 outputs and (max, sum) in
-// base 2 to scratch; a combine kernel merges them. Splits divide each tile's real key range
-// (read on the device), so short sequences waste no blocks on empty splits. Sinks enter as
-// one extra softmax term in split 0.
+// base 2 to the split workspace. Splits divide each tile's real key range (read on the
+// device), so short sequences waste no blocks on empty splits. With head_dim <= 128 the
+// tensor-core kernel balances a decode tile's splits dynamically (each starts on a few
+// interleaved blocks, then claims one block at a time from a counter, so splits on SMs that
+// stream faster take more), and the last split of every tile to finish (a second counter)
+// merges the partials itself: no combine launch, no tail of unequal static shares. The
+// counters live in the workspace and are zeroed on the stream before the launch. Otherwise
+// (head_dim 256, the SIMT kernel) splits are static and a combine kernel merges them.
+// Sinks enter as one extra softmax term in split 0.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -73,6 +83,9 @@ struct Args {
   void* out;
   float* partial_o;   // [splits, T, Hq, D] fp32, split mode only
   float* partial_ml;  // [splits, T, Hq, 2] (max, sum) in base 2, split mode only
+  // [T * Hq][2]: blocks claimed, splits finished, per tile (indexed by its first row's
+  // (token, q head)); zero at launch; dynamic split mode only.
+  unsigned int* split_counters;
   DType q_dtype, sinks_dtype, cache_dtype;
   int64_t num_tokens, num_q_heads, num_kv_heads, group, head_dim;
   int64_t num_pages, page_size, max_seqs, max_pages;
@@ -88,6 +101,7 @@ struct Args {
   int64_t large_tiles;  // per kv head and split; small tiles: max_seqs
   int64_t large_rows;   // rows of a large tile
   bool index_by_rows;   // large tile numbering: see LargeTileStart
+  bool dynamic_splits;  // split mode with counters: claimed blocks, merge by the last split
 };
 
 __device__ __forceinline__ int64_t Clamp(int64_t x, int64_t lo, int64_t hi) {
@@ -296,10 +310,210 @@ struct SmemLayout {
   static constexpr int kBytes = kQBytes + (kStageBytes > kEpiBytes ? kStageBytes : kEpiBytes);
 };
 
+// Four fp32 values into out (dtype of q) at element `index`.
+__device__ __forceinline__ void StoreOut4(const Args& a, int64_t index, float4 v) {
+  if (a.q_dtype == DType::kF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(a.out) + index) = v;
+  } else if (a.q_dtype == DType::kBF16) {
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(a.out) + index) =
+        make_uint2(cu::PackFloat2<__nv_bfloat16>(v.x, v.y), cu::PackFloat2<__nv_bfloat16>(v.z, v.w));
+  } else {
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(a.out) + index) =
+        make_uint2(cu::PackFloat2<__half>(v.x, v.y), cu::PackFloat2<__half>(v.z, v.w));
+  }
+}
+
+// head_dim 256 tiles are at the register limit: they split statically and merge in the
+// combine kernel.
+constexpr int kMaxFusedHeadDim = 128;
+
+// The merge of every split's partials for a large tile's rows, by the last split to finish.
+// `item(r)` is row r's (token, q head) index; s_weight holds tile_rows * num_splits floats.
+// Partials are read from L2 (other blocks wrote them) in batches of independent loads, so
+// the merge is a short chain of L2 round trips, not one per split.
+template <int kD, typename ItemFn>
+__device__ __forceinline__ void MergeSplits(const Args& a, int tile_rows, ItemFn item, float* s_weight) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kSplitRegs = kMaxCudaSplits / 32;  // splits per lane
+  const int splits = a.num_splits;
+  const int64_t stride = a.num_tokens * a.num_q_heads;
+  const float2* ml = reinterpret_cast<const float2*>(a.partial_ml);
+  // Split weights exp2(m_s - m) / sum: a warp per row, the splits over the lanes; four rows
+  // of a warp at a time.
+  for (int r0 = warp; r0 < tile_rows; r0 += 4 * kWarps) {
+    float2 x[4][kSplitRegs];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + i * kWarps;
+      const int64_t it = r < tile_rows ? item(r) : 0;
+#pragma unroll
+      for (int j = 0; j < kSplitRegs; ++j) {
+        const int sp = lane + 32 * j;
+        x[i][j] = r < tile_rows && sp < splits ? __ldcg(ml + sp * stride + it) : make_float2(-INFINITY, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + i * kWarps;
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kSplitRegs; ++j) m = fmaxf(m, x[i][j].x);
+      m = cu::LaneReduceMax(m, 16);
+      const float base = m == -INFINITY ? 0.0f : m;
+      float w[kSplitRegs], sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kSplitRegs; ++j) {
+        w[j] = x[i][j].x == -INFINITY ? 0.0f : FastExp2(x[i][j].x - base);
+        sum += w[j] * x[i][j].y;
+      }
+      sum = cu::LaneReduceSum(sum, 16);
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kSplitRegs; ++j) {
+        const int sp = lane + 32 * j;
+        if (r < tile_rows && sp < splits) s_weight[r * splits + sp] = w[j] * inv;
+      }
+    }
+  }
+  __syncthreads();
+  // Outputs: a thread per four columns of a row, kUnits such column groups at a time, each
+  // against kChunk splits per round.
+  constexpr int kCol4 = kD / 4;
+  constexpr int kUnits = 4, kChunk = 8;
+  const int units = tile_rows * kCol4;
+  for (int c0 = 0; c0 < units; c0 += kUnits * kThreads) {
+    int64_t index[kUnits];
+    int wrow[kUnits];
+    bool live[kUnits];
+    float4 acc[kUnits];
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      const int c = c0 + u * kThreads + tid;
+      live[u] = c < units;
+      const int r = live[u] ? c / kCol4 : 0;
+      index[u] = item(r) * kD + (c % kCol4) * 4;
+      wrow[u] = r * splits;
+      acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    for (int sp0 = 0; sp0 < splits; sp0 += kChunk) {
+      float4 x[kUnits][kChunk];
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) {
+          const int sp = sp0 + k;
+          x[u][k] = live[u] && sp < splits
+                        ? __ldcg(reinterpret_cast<const float4*>(a.partial_o + sp * stride * kD + index[u]))
+                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) {
+          const int sp = sp0 + k;
+          const float ws = live[u] && sp < splits ? s_weight[wrow[u] + sp] : 0.0f;
+          acc[u].x += ws * x[u][k].x; acc[u].y += ws * x[u][k].y;
+          acc[u].z += ws * x[u][k].z; acc[u].w += ws * x[u][k].w;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      if (live[u]) StoreOut4(a, index[u], acc[u]);
+    }
+  }
+}
+
+// MergeSplits for tiles of at most kSmallRows rows: the partials come through shared
+// memory by cp.async, as many splits per round as `s_buf` holds (every copy of a round in
+// flight at once), the first round issued before the weights are computed. s_weight holds
+// kSmallRows * kMaxCudaSplits floats.
+template <int kD, typename ItemFn>
+__device__ __forceinline__ void MergeSplitsSmall(const Args& a, int tile_rows, ItemFn item, float* s_weight,
+                                                 float* s_buf, int buf_floats) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  constexpr int kCol4 = kD / 4;
+  constexpr int kUnits = (kSmallRows * kCol4 + kThreads - 1) / kThreads;  // float4 outputs per thread
+  const int splits = a.num_splits;
+  const int64_t stride = a.num_tokens * a.num_q_heads;
+  const int units = tile_rows * kCol4;  // float4s per split
+  const int per_round = min(splits, buf_floats / (units * 4));
+  __shared__ int64_t s_item[kSmallRows];
+  if (tid < tile_rows) s_item[tid] = item(tid);
+  __syncthreads();
+  auto issue = [&](int sp0) {
+    const int n = min(per_round, splits - sp0);
+    for (int i = tid; i < n * units; i += kThreads) {
+      const int sp = i / units, c = i % units;
+      const float* src = a.partial_o + ((sp0 + sp) * stride + s_item[c / kCol4]) * kD + (c % kCol4) * 4;
+      cu::CpAsync16(s_buf + i * 4, src, true);
+    }
+    cu::CpAsyncCommit();
+  };
+  issue(0);
+  const float2* ml = reinterpret_cast<const float2*>(a.partial_ml);
+  constexpr int kSplitRegs = kMaxCudaSplits / 32;
+  for (int r = warp; r < tile_rows; r += kThreads / 32) {
+    float2 x[kSplitRegs];
+#pragma unroll
+    for (int j = 0; j < kSplitRegs; ++j) {
+      const int sp = lane + 32 * j;
+      x[j] = sp < splits ? __ldcg(ml + sp * stride + s_item[r]) : make_float2(-INFINITY, 0.0f);
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kSplitRegs; ++j) m = fmaxf(m, x[j].x);
+    m = cu::LaneReduceMax(m, 16);
+    const float base = m == -INFINITY ? 0.0f : m;
+    float w[kSplitRegs], sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSplitRegs; ++j) {
+      w[j] = x[j].x == -INFINITY ? 0.0f : FastExp2(x[j].x - base);
+      sum += w[j] * x[j].y;
+    }
+    sum = cu::LaneReduceSum(sum, 16);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSplitRegs; ++j) {
+      const int sp = lane + 32 * j;
+      if (sp < splits) s_weight[r * splits + sp] = w[j] * inv;
+    }
+  }
+  float4 acc[kUnits];
+#pragma unroll
+  for (int k = 0; k < kUnits; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int sp0 = 0; sp0 < splits; sp0 += per_round) {
+    cu::CpAsyncWait<0>();
+    __syncthreads();  // the round's partials (and, first time, the weights)
+    const int n = min(per_round, splits - sp0);
+#pragma unroll
+    for (int k = 0; k < kUnits; ++k) {
+      const int c = tid + k * kThreads;
+      if (c < units) {
+        const float* w = s_weight + (c / kCol4) * splits + sp0;
+        for (int sp = 0; sp < n; ++sp) {
+          const float4 x = reinterpret_cast<const float4*>(s_buf)[sp * units + c];
+          acc[k].x += w[sp] * x.x; acc[k].y += w[sp] * x.y; acc[k].z += w[sp] * x.z; acc[k].w += w[sp] * x.w;
+        }
+      }
+    }
+    __syncthreads();  // the buffer is free again
+    if (sp0 + per_round < splits) issue(sp0 + per_round);
+  }
+#pragma unroll
+  for (int k = 0; k < kUnits; ++k) {
+    const int c = tid + k * kThreads;
+    if (c < units) StoreOut4(a, s_item[c / kCol4] * kD + (c % kCol4) * 4, acc[k]);
+  }
+}
+
 // Warps: kWarpsM row groups of 16 x kWarpsD column halves of the output x kWarpsN key
 // slices of each block (warps of one column pair score the same keys; each keeps half of
-// the output, which keeps head_dim 256 within the register file).
-template <typename Elem, typename CacheT, int kD, int kWarpsM, int kWarpsD>
+// the output, which keeps head_dim 256 within the register file). kClaims: the splits of
+// the tile claim blocks dynamically (dynamic split mode, small tiles only).
+template <typename Elem, typename CacheT, int kD, int kWarpsM, int kWarpsD, bool kClaims>
 __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq& s, int64_t row0,
                                            int64_t kv_head, int split) {
   using Stage = StageShape<CacheT, kD>;
@@ -316,6 +530,9 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   // registers for scores, so they reload Q from shared memory per block.
   constexpr bool kQInRegs = kD <= 128 && !kFp8 && kWarpsN > 1;
   constexpr bool kPrefetchPages = Stage::kLoads <= 8 && kD <= 128;  // page ids one block ahead
+  // Small tiles read each page once per call; large ones share pages between tiles via L2.
+  constexpr bool kReadOnce = kWarpsM * 16 == kSmallRows;
+  static_assert(!kClaims || (kWarpsM * 16 == kSmallRows && kD <= kMaxFusedHeadDim), "claims: small tiles, fused merge");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp % kWarpsM, wd = (warp / kWarpsM) % kWarpsD, wn = warp / (kWarpsM * kWarpsD);
@@ -335,12 +552,42 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   int64_t key_lo = s.kv_start, key_hi = s.kv_len;
   if (a.window_left >= 0) key_lo = max(key_lo, pos_first - a.window_left);
   if (a.causal) key_hi = min(key_hi, pos_last + 1);
-  const int64_t block_lo = key_lo / kBlockKeys * kBlockKeys;
-  const int64_t num_blocks = key_hi > key_lo ? (key_hi - block_lo + kBlockKeys - 1) / kBlockKeys : 0;
-  const int64_t per_split = (num_blocks + a.num_splits - 1) / a.num_splits;
-  const int64_t first_block = min(num_blocks, split * per_split);
-  const int count = static_cast<int>(min(num_blocks, first_block + per_split) - first_block);
-  const int64_t kv_begin = block_lo + first_block * kBlockKeys;
+  const int block_lo = static_cast<int>(key_lo / kBlockKeys * kBlockKeys);
+  const int num_blocks = key_hi > key_lo ? static_cast<int>((key_hi - block_lo + kBlockKeys - 1) / kBlockKeys) : 0;
+  // The tile's counter pair (dynamic split mode): indexed by its first row's (token, q head).
+  auto counters = [&] {
+    return a.split_counters + 2 * ((s.q_begin + row0 / G) * a.num_q_heads + kv_head * G + row0 % G);
+  };
+
+  // Static splits take a contiguous share of the blocks (0 .. num_blocks - 1 of the key
+  // range). Claiming splits start on kInitial interleaved blocks each; then thread 0 claims
+  // one block per iteration and writes its id one iteration after the atomic (whose latency
+  // hides behind a block) into a ring in shared memory; the next barrier publishes it,
+  // kStages + 1 iterations before the pipeline first needs it. Claims grow monotonically per
+  // split, so the first id past the range ends the split. Ring and claim state stay in
+  // shared memory: the kernel is at its register limit.
+  const int per_split = (num_blocks + a.num_splits - 1) / a.num_splits;
+  const int first_block = min(num_blocks, split * per_split);
+  const int count = min(num_blocks, first_block + per_split) - first_block;
+  const int kv_begin = block_lo + first_block * kBlockKeys;
+  constexpr int kInitial = Stage::kStages + 2;
+  constexpr int kRing = 8;
+  static_assert(kInitial <= kRing, "claim ring too small");
+  __shared__ int s_claims[kClaims ? kRing : 1];
+  if constexpr (kClaims) {
+    if (tid == 0) {
+      for (int i = 0; i < kInitial; ++i) s_claims[i] = min(num_blocks, i * a.num_splits + split);
+    }
+    __syncthreads();
+  }
+  // First key of the split's i-th block, or -1 past its end.
+  auto block_key = [&](int i) {
+    if constexpr (kClaims) {
+      const int b = s_claims[i % kRing];
+      return b < num_blocks ? block_lo + b * kBlockKeys : -1;
+    }
+    return i < count ? kv_begin + i * kBlockKeys : -1;
+  };
 
   // Visible keys [vis_lo, vis_hi) of this thread's two fragment rows (g and g + 8).
   // Keys fit int32 (kv_lens are int32), so the per-element mask compares 32-bit values.
@@ -378,12 +625,12 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   const int key_end = static_cast<int>(key_hi);
   const int page_size = static_cast<int>(a.page_size);
   auto fetch_pages = [&](int block) {
-    const int kv0 = static_cast<int>(kv_begin) + block * kBlockKeys;
+    const int kv0 = block_key(block);
 #pragma unroll
     for (int i = 0; i < Stage::kLoads; ++i) {
       const int j = kv0 + my_key + i * Stage::kKeyStep;
       int32_t page = 0;
-      if (block < count && j < key_end) {
+      if (kv0 >= 0 && j < key_end) {
         page = __ldg(table + (a.page_shift >= 0 ? (j >> a.page_shift) : j / page_size));
       }
       pages[i] = page;
@@ -394,12 +641,12 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     const int stage = block % Stage::kStages;
     char* sk = s_stage + stage * 2 * Stage::kTileBytes;
     char* sv = sk + Stage::kTileBytes;
-    const int kv0 = static_cast<int>(kv_begin) + block * kBlockKeys;
+    const int kv0 = block_key(block);
 #pragma unroll
     for (int i = 0; i < Stage::kLoads; ++i) {
       const int key = my_key + i * Stage::kKeyStep;
       const int j = kv0 + key;
-      const bool valid = block < count && j < key_end;
+      const bool valid = kv0 >= 0 && j < key_end;
       int64_t offset = 0;
       if (valid) {
         const int slot = a.page_shift >= 0 ? (j & (page_size - 1)) : j % page_size;
@@ -408,8 +655,14 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
                  my_chunk * 16;
       }
       const int dst = SwizzledChunk<Stage::kChunks>(key, my_chunk) * 16;
-      cu::CpAsync16(sk + dst, k_base + offset, valid);
-      cu::CpAsync16(sv + dst, v_base + offset, valid);
+      if constexpr (kReadOnce) {
+        const uint64_t policy = cu::L2EvictFirstPolicy();
+        cu::CpAsync16(sk + dst, k_base + offset, valid, policy);
+        cu::CpAsync16(sv + dst, v_base + offset, valid, policy);
+      } else {
+        cu::CpAsync16(sk + dst, k_base + offset, valid);
+        cu::CpAsync16(sv + dst, v_base + offset, valid);
+      }
     }
   };
 
@@ -452,9 +705,17 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     for (int kk = 0; kk < kD / 16; ++kk) load_q_frag(kk, q_frag[kk]);
   }
 
-  for (int block = 0; block < count; ++block) {
+  unsigned int claimed = 0;  // thread 0: the last claim, not yet in the ring
+  for (int block = 0; block < (kClaims ? num_blocks : count); ++block) {
     cu::CpAsyncWait<Stage::kStages - 2>();
     __syncthreads();
+    if constexpr (kClaims) {
+      if (block_key(block) < 0) break;
+      if (tid == 0) {
+        if (block > 0) s_claims[(block + kInitial - 1) % kRing] = min(num_blocks, kInitial * a.num_splits + static_cast<int>(claimed));
+        claimed = atomicAdd(counters(), 1u);
+      }
+    }
     issue_copies(block + Stage::kStages - 1);
     cu::CpAsyncCommit();
     if constexpr (kPrefetchPages) fetch_pages(block + Stage::kStages);
@@ -503,7 +764,7 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
 
     // Logits (base 2), the mask only where the warp's keys cross a row's visible range,
     // online softmax, P as A fragments.
-    const int kv0 = static_cast<int>(kv_begin) + block * kBlockKeys + key_base;
+    const int kv0 = block_key(block) + key_base;
     if (a.soft_cap > 0.0f) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
@@ -674,6 +935,30 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
       StoreOutChunk(a, index, v);
     }
   }
+  if constexpr (kD <= kMaxFusedHeadDim) {
+    if (!split_mode || !a.dynamic_splits) return;
+    static_assert(Layout::kBytes - Layout::kQBytes >= kLargeRows * kMaxCudaSplits * 4, "merge weights");
+    // The last split of the tile to get here merges: partials fenced before the count, read
+    // after it.
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(counters() + 1, 1u) == static_cast<unsigned int>(a.num_splits - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    auto item = [&](int r) {
+      const int64_t fr = row0 + r;
+      return (s.q_begin + fr / G) * a.num_q_heads + kv_head * G + fr % G;
+    };
+    if constexpr (kRows <= kSmallRows) {
+      static_assert(Layout::kQBytes >= kSmallRows * kMaxCudaSplits * 4, "merge weights");
+      MergeSplitsSmall<kD>(a, static_cast<int>(tile_rows), item, reinterpret_cast<float*>(s_q), s_epi,
+                           (Layout::kBytes - Layout::kQBytes) / 4);
+    } else {
+      MergeSplits<kD>(a, static_cast<int>(tile_rows), item, s_epi);
+    }
+  }
 }
 
 // First large tile of sequence n. With u = query_start_loc[n] * group (its first flattened
@@ -704,7 +989,12 @@ __global__ void __launch_bounds__(kThreads, 2) PagedAttentionKernel(const Args a
     const int64_t rows = s.q_len * a.group;
     if (n < num_seqs && rows > 0 && rows <= kSmallRows) {
       args.block_tables = a.block_tables + n * a.max_pages;
-      AttendTile<Elem, CacheT, kD, kSmallRows / 16, WarpsD(kD)>(args, smem, s, 0, kv_head, split);
+      if (kD <= kMaxFusedHeadDim && a.dynamic_splits) {
+        AttendTile<Elem, CacheT, kD, kSmallRows / 16, WarpsD(kD), kD <= kMaxFusedHeadDim>(args, smem, s, 0, kv_head,
+                                                                                        split);
+      } else {
+        AttendTile<Elem, CacheT, kD, kSmallRows / 16, WarpsD(kD), false>(args, smem, s, 0, kv_head, split);
+      }
     }
   } else if (a.large_tiles > 0) {
     id -= small_blocks;
@@ -720,7 +1010,7 @@ __global__ void __launch_bounds__(kThreads, 2) PagedAttentionKernel(const Args a
       const int64_t row0 = (t - start(n)) * LargeTileRows(kD);
       if (rows > kSmallRows && row0 < rows) {
         args.block_tables = a.block_tables + n * a.max_pages;
-        AttendTile<Elem, CacheT, kD, LargeTileRows(kD) / 16, WarpsD(kD)>(args, smem, s, row0, kv_head, split);
+        AttendTile<Elem, CacheT, kD, LargeTileRows(kD) / 16, WarpsD(kD), false>(args, smem, s, row0, kv_head, split);
       }
     }
   }
@@ -968,8 +1258,8 @@ int CudaNumSplits(const Dims& dims, const Config& cfg, int sm_count) {
 
 size_t CudaAttentionScratchBytes(const Dims& dims, int num_splits) {
   if (num_splits <= 1) return 0;
-  const size_t rows = static_cast<size_t>(num_splits) * dims.num_tokens * dims.num_q_heads;
-  return rows * (dims.head_dim + 2) * sizeof(float);
+  const size_t rows = static_cast<size_t>(dims.num_tokens) * dims.num_q_heads;
+  return rows * (num_splits * (dims.head_dim + 2) + 2) * sizeof(float);
 }
 
 const char* CudaAttentionUnsupported(const Dims& dims) {
@@ -1031,7 +1321,16 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
   if (a.num_splits > 1) {
     if (scratch == nullptr) return Status::Internal("paged attention CUDA: split mode without scratch");
     a.partial_o = static_cast<float*>(scratch);
-    a.partial_ml = a.partial_o + static_cast<size_t>(a.num_splits) * dims.num_tokens * dims.num_q_heads * D;
+    const size_t rows = static_cast<size_t>(dims.num_tokens) * dims.num_q_heads;
+    a.partial_ml = a.partial_o + a.num_splits * rows * D;
+    a.split_counters = reinterpret_cast<unsigned int*>(a.partial_ml + a.num_splits * rows * 2);
+    a.dynamic_splits = UsesMma(dims, a.cache_dtype) && D <= kMaxFusedHeadDim;
+    if (a.dynamic_splits) {
+      if (cudaError_t err = cudaMemsetAsync(a.split_counters, 0, rows * 2 * sizeof(unsigned int), stream);
+          err != cudaSuccess) {
+        return Status::Internal(std::string("paged attention: split counter reset failed: ") + cudaGetErrorString(err));
+      }
+    }
   }
   if (UsesMma(dims, a.cache_dtype)) {
     SetLargeTiles(dims, &a);
@@ -1050,7 +1349,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
     PagedAttentionSimtKernel<<<grid, kSimtWarps * 32, 0, stream>>>(a);
     EJK_RETURN_IF_ERROR(LastLaunchError("SIMT attention kernel"));
   }
-  if (a.num_splits > 1) {
+  if (a.num_splits > 1 && !a.dynamic_splits) {
     CombineSplitsKernel<<<static_cast<unsigned>(dims.num_tokens * dims.num_q_heads), kCombineThreads, 0, stream>>>(a);
     EJK_RETURN_IF_ERROR(LastLaunchError("split combine"));
   }

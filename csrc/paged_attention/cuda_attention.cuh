@@ -26,7 +26,8 @@ int CudaSmCount();
 // thread blocks for one full wave (two per SM), given the static shapes. At least 1.
 int CudaNumSplits(const Dims& dims, const Config& cfg, int sm_count);
 
-// Scratch for split partial results (fp32 outputs and softmax statistics); 0 when num_splits is 1.
+// Scratch for split partial results (fp32 outputs and softmax statistics) and the split
+// counters (two 32-bit words per (token, q head)); 0 when num_splits is 1.
 size_t CudaAttentionScratchBytes(const Dims& dims, int num_splits);
 
 // Why the CUDA kernels cannot serve these params ("" when they can): head_dim above 256.

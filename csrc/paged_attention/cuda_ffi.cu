@@ -52,7 +52,7 @@ ffi::Error AttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (split_workspace->element_type() != ffi::DataType::F32 || split_workspace->size_bytes() != bytes) {
     return ToFfiError(Status::InvalidArgument(
         "split_workspace: expected " + std::to_string(bytes / sizeof(float)) + " float32 elements for " +
-        std::to_string(splits) + " splits (num_splits * T * Hq * (D + 2)), got " +
+        std::to_string(splits) + " splits (T * Hq * (num_splits * (D + 2) + 2)), got " +
         std::to_string(split_workspace->element_count())));
   }
   return ToFfiError(CudaAttention(p, dims, splits, bytes > 0 ? split_workspace->untyped_data() : nullptr, stream));

@@ -92,6 +92,21 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
                "r"(src_bytes));
 }
 
+// L2 policy for data read once: its lines are evicted first, so a stream larger than L2
+// does not push out what the next kernels reuse (code, metadata, small operands).
+__device__ __forceinline__ uint64_t L2EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// CpAsync16 under an L2 cache policy (from createpolicy, e.g. L2EvictFirstPolicy).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid, uint64_t l2_policy) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(SharedAddress(smem)),
+               "l"(gmem), "r"(src_bytes), "l"(l2_policy));
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `kPending` committed groups are still in flight.

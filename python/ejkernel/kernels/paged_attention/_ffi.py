@@ -38,7 +38,8 @@ def paged_attention_native(
     q = args.query
     operands = (_HAS_KV_STARTS if args.kv_starts is not None else 0) | (_HAS_SINKS if args.sinks is not None else 0)
     t, hq, d = q.shape
-    workspace = num_splits * t * hq * (d + 2) if num_splits > 1 else 0
+    # Partials, softmax statistics and two counters per (token, q head) (params.h).
+    workspace = t * hq * (num_splits * (d + 2) + 2) if num_splits > 1 else 0
     call = jax.ffi.ffi_call(
         f"ejkernel_paged_attention_{platform}",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.float32)),

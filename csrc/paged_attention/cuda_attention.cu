@@ -327,6 +327,27 @@ __device__ __forceinline__ void StoreOut4(const Args& a, int64_t index, float4 v
 // combine kernel.
 constexpr int kMaxFusedHeadDim = 128;
 
+// One row's merge weights exp2(m_s - m) / sum_s exp2(m_s - m) l_s, the splits spread over
+// a warp's lanes (split lane + 32 j in x[j] = (m_s, l_s); absent splits are (-inf, 0)).
+__device__ __forceinline__ void SplitWeights(const float2 (&x)[kMaxCudaSplits / 32], float (&w)[kMaxCudaSplits / 32]) {
+  constexpr int kSplitRegs = kMaxCudaSplits / 32;
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kSplitRegs; ++j) m = fmaxf(m, x[j].x);
+  m = cu::LaneReduceMax(m, 16);
+  const float base = m == -INFINITY ? 0.0f : m;
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kSplitRegs; ++j) {
+    w[j] = x[j].x == -INFINITY ? 0.0f : FastExp2(x[j].x - base);
+    sum += w[j] * x[j].y;
+  }
+  sum = cu::LaneReduceSum(sum, 16);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+  for (int j = 0; j < kSplitRegs; ++j) w[j] *= inv;
+}
+
 // The merge of every split's partials for a large tile's rows, by the last split to finish.
 // `item(r)` is row r's (token, q head) index; s_weight holds tile_rows * num_splits floats.
 // Partials are read from L2 (other blocks wrote them) in batches of independent loads, so
@@ -356,23 +377,12 @@ __device__ __forceinline__ void MergeSplits(const Args& a, int tile_rows, ItemFn
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = r0 + i * kWarps;
-      float m = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kSplitRegs; ++j) m = fmaxf(m, x[i][j].x);
-      m = cu::LaneReduceMax(m, 16);
-      const float base = m == -INFINITY ? 0.0f : m;
-      float w[kSplitRegs], sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kSplitRegs; ++j) {
-        w[j] = x[i][j].x == -INFINITY ? 0.0f : FastExp2(x[i][j].x - base);
-        sum += w[j] * x[i][j].y;
-      }
-      sum = cu::LaneReduceSum(sum, 16);
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      float w[kSplitRegs];
+      SplitWeights(x[i], w);
 #pragma unroll
       for (int j = 0; j < kSplitRegs; ++j) {
         const int sp = lane + 32 * j;
-        if (r < tile_rows && sp < splits) s_weight[r * splits + sp] = w[j] * inv;
+        if (r < tile_rows && sp < splits) s_weight[r * splits + sp] = w[j];
       }
     }
   }
@@ -462,23 +472,12 @@ __device__ __forceinline__ void MergeSplitsSmall(const Args& a, int tile_rows, I
       const int sp = lane + 32 * j;
       x[j] = sp < splits ? __ldcg(ml + sp * stride + s_item[r]) : make_float2(-INFINITY, 0.0f);
     }
-    float m = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kSplitRegs; ++j) m = fmaxf(m, x[j].x);
-    m = cu::LaneReduceMax(m, 16);
-    const float base = m == -INFINITY ? 0.0f : m;
-    float w[kSplitRegs], sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kSplitRegs; ++j) {
-      w[j] = x[j].x == -INFINITY ? 0.0f : FastExp2(x[j].x - base);
-      sum += w[j] * x[j].y;
-    }
-    sum = cu::LaneReduceSum(sum, 16);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float w[kSplitRegs];
+    SplitWeights(x, w);
 #pragma unroll
     for (int j = 0; j < kSplitRegs; ++j) {
       const int sp = lane + 32 * j;
-      if (sp < splits) s_weight[r * splits + sp] = w[j] * inv;
+      if (sp < splits) s_weight[r * splits + sp] = w[j];
     }
   }
   float4 acc[kUnits];

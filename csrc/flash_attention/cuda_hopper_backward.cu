@@ -279,6 +279,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   kp.num_kv_heads = static_cast<int>(d.num_kv_heads);
   kp.group = static_cast<int>(d.num_q_heads / d.num_kv_heads);
   kp.num_m_blocks = static_cast<int>(sl.num_m_blocks);
+  kp.section = 1;
   kp.padded_q = static_cast<int>(sl.padded_q);
   if (f.logits_soft_cap > 0.0f) {
     kp.softcap_pre = f.softmax_scale / f.logits_soft_cap;

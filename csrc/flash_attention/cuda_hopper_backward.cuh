@@ -97,6 +97,9 @@ struct KernelParams {
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
   float* dq_accum;
   int seqlen_q, seqlen_k, num_q_heads, num_kv_heads, group, num_m_blocks, padded_q;
+  // Blocks in sections of `section` (batch, kv head) pairs, key tile major inside a section
+  // (see the kernel); 1 is plain (batch, kv head)-major order.
+  int section;
   float softcap_pre;  // scale / cap (soft cap only)
   float logit_scale;  // maps the (capped) score to the log2 domain
   float dk_scale;     // softmax scale
@@ -174,7 +177,22 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   const auto do_full = [&](int s) { return kv_full + 8 * (3 + s); };
   const auto empty = [&](int s) { return kv_full + 8 * (5 + s); };
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  // Block order: sections of p.section (batch, kv head) pairs; inside one, key tile 0 (the
+  // longest under a causal mask) of every pair, then tile 1, ... Blocks are dispatched in
+  // this order, so a causal grid ends with short tiles, and concurrent blocks read the Q and
+  // dO of a few heads only.
+  int n_block, kv_head, batch;
+  {
+    const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int per_section = p.section * gridDim.x;
+    const int first = linear / per_section * p.section;
+    const int pairs = min(p.section, static_cast<int>(gridDim.y * gridDim.z) - first);
+    const int within = linear % per_section;
+    const int pair = first + within % pairs;
+    n_block = within / pairs;
+    kv_head = pair % p.num_kv_heads;
+    batch = pair / p.num_kv_heads;
+  }
   const int n0 = n_block * kBlockN;
   const int sq = p.seqlen_q, sk = p.seqlen_k;
   const int offset = sk - sq;
@@ -437,7 +455,12 @@ Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
                             cudaGetErrorString(err));
   }
   const dim3 grid((kp.seqlen_k + L::kBlockN - 1) / L::kBlockN, kp.num_kv_heads, batch);
-  kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
+  // Keys hidden from earlier queries (causal-like masks) give the key tiles decreasing
+  // lengths: sections of 4 pairs end the grid evenly (a list-scheduling model: 88% -> 99.7%
+  // of the SMs busy for GQA 32/8 at 4 x 4096). Equal tiles keep the plain order.
+  KernelParams ordered = kp;
+  ordered.section = kp.right < kp.seqlen_q ? 4 : 1;
+  kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(ordered);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention backward: launch failed: ") + cudaGetErrorString(err));
   }

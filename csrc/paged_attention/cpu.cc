@@ -314,7 +314,8 @@ void RunTask(const Context& c, const Task& t, Scratch& sc) {
   const Params& p = *c.p;
   const int64_t n = t.seq, G = c.group, D = c.d.head_dim, Dp = c.head_dim_padded;
   const int64_t Hq = c.d.num_q_heads, M = t.rows * G, stride = c.max_rows * Dp;
-  const int64_t q_begin = c.qsl[n], q_len = c.qsl[n + 1] - q_begin, kv_len = c.kv_lens[n];
+  const int64_t q_begin = QueryStartAt(c.qsl, n), q_len = QueryStartAt(c.qsl, n + 1) - q_begin;
+  const int64_t kv_len = c.kv_lens[n];
   const int64_t kv_start = c.kv_starts ? c.kv_starts[n] : 0;
 
   // Row r of the block, head g of the group, is row r * G + g of Q, S and O.
@@ -417,7 +418,7 @@ Status AttentionCpu(const Params& p, const Config& cfg) {
   c.block_kv = cpu::RoundUp(cfg.block_kv, kKeyGroup);
   c.kv_lens = p.kv_lens.ptr<int32_t>();
   c.tables = p.block_tables.ptr<int32_t>();
-  c.qsl = p.query_start_loc.ptr<int32_t>();
+  c.qsl = QueryStartLoc(p.query_start_loc);  // null: one row per sequence
   c.kv_starts = p.kv_starts.present() ? p.kv_starts.ptr<int32_t>() : nullptr;
   // The key scale and the soft cap's 1 / cap fold into the queries.
   c.cap = p.logits_soft_cap;
@@ -426,7 +427,7 @@ Status AttentionCpu(const Params& p, const Config& cfg) {
 
   const int64_t num_seqs = p.num_seqs.ptr<int32_t>()[0];
   const int64_t row_elements = d.num_q_heads * d.head_dim;
-  ZeroRows(p.out, c.qsl[num_seqs], d.num_tokens, row_elements);
+  ZeroRows(p.out, QueryStartAt(c.qsl, num_seqs), d.num_tokens, row_elements);
 
   // Query blocks of the present sequences; each becomes one task per group of kv heads.
   struct Block {
@@ -434,7 +435,7 @@ Status AttentionCpu(const Params& p, const Config& cfg) {
   };
   std::vector<Block> blocks;
   for (int64_t n = 0; n < num_seqs; ++n) {
-    const int64_t q_len = c.qsl[n + 1] - c.qsl[n];
+    const int64_t q_len = QueryStartAt(c.qsl, n + 1) - QueryStartAt(c.qsl, n);
     for (int64_t r0 = 0; r0 < q_len; r0 += c.rows_per_block) {
       const int64_t rows = std::min(c.rows_per_block, q_len - r0);
       // Work grows with the keys the block's last row may see.
@@ -483,7 +484,7 @@ Status CacheUpdateCpu(const CacheUpdateParams& p) {
   EJK_RETURN_IF_ERROR(ValidateCacheUpdateMetadataValues(p, d));
   const int32_t* kv_lens = p.kv_lens.ptr<int32_t>();
   const int32_t* tables = p.block_tables.ptr<int32_t>();
-  const int32_t* qsl = p.query_start_loc.ptr<int32_t>();
+  const int32_t* qsl = QueryStartLoc(p.query_start_loc);  // null: one row per sequence
   const int64_t num_seqs = p.num_seqs.ptr<int32_t>()[0];
   const int64_t Hkv = d.num_kv_heads, D = d.head_dim, S = d.page_size;
   const int64_t M = d.max_pages_per_seq;
@@ -494,8 +495,8 @@ Status CacheUpdateCpu(const CacheUpdateParams& p) {
   };
   std::vector<Row> rows;
   for (int64_t n = 0; n < num_seqs; ++n) {
-    const int64_t q_len = qsl[n + 1] - qsl[n];
-    for (int64_t r = 0; r < q_len; ++r) rows.push_back(Row{qsl[n] + r, n, kv_lens[n] - q_len + r});
+    const int64_t q_begin = QueryStartAt(qsl, n), q_len = QueryStartAt(qsl, n + 1) - q_begin;
+    for (int64_t r = 0; r < q_len; ++r) rows.push_back(Row{q_begin + r, n, kv_lens[n] - q_len + r});
   }
   const int64_t num_rows = static_cast<int64_t>(rows.size());
   const int threads = NumThreads(0, num_rows * Hkv / 64 + 1);

@@ -134,14 +134,15 @@ struct Seq {
 
 __device__ __forceinline__ int64_t NumSeqs(const Args& a) { return Clamp(a.num_seqs[0], 0, a.max_seqs); }
 
+// An absent query_start_loc (null) means one query row per sequence (params.h).
 __device__ __forceinline__ int64_t QueryStart(const Args& a, int64_t n) {
-  return Clamp(a.query_start_loc[n], 0, a.num_tokens);
+  return Clamp(QueryStartAt(a.query_start_loc, n), 0, a.num_tokens);
 }
 
 __device__ __forceinline__ Seq LoadSeq(const Args& a, int64_t n) {
   Seq s;
   s.q_begin = QueryStart(a, n);
-  s.q_len = Clamp(a.query_start_loc[n + 1], s.q_begin, a.num_tokens) - s.q_begin;
+  s.q_len = Clamp(QueryStart(a, n + 1), s.q_begin, a.num_tokens) - s.q_begin;
   s.kv_len = Clamp(a.kv_lens[n], 0, min(a.max_pages * a.page_size, int64_t{INT32_MAX} - 2 * kBlockKeys));
   s.kv_start = a.kv_starts != nullptr ? Clamp(a.kv_starts[n], 0, s.kv_len) : 0;
   return s;
@@ -1276,7 +1277,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
   a.v_cache = p.value_cache.data;
   a.kv_lens = p.kv_lens.ptr<int32_t>();
   a.block_tables = p.block_tables.ptr<int32_t>();
-  a.query_start_loc = p.query_start_loc.ptr<int32_t>();
+  a.query_start_loc = QueryStartLoc(p.query_start_loc);
   a.num_seqs = p.num_seqs.ptr<int32_t>();
   a.kv_starts = p.kv_starts.present() ? p.kv_starts.ptr<int32_t>() : nullptr;
   a.sinks = p.sinks.present() ? p.sinks.data : nullptr;

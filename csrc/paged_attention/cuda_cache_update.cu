@@ -24,7 +24,7 @@ struct UpdateArgs {
   void* value_cache;
   const int32_t* kv_lens;
   const int32_t* block_tables;
-  const int32_t* query_start_loc;
+  const int32_t* query_start_loc;  // null: one row per sequence (params.h)
   const int32_t* num_seqs;
   DType new_dtype_k, new_dtype_v, cache_dtype;
   int64_t num_tokens, num_kv_heads, head_dim, num_pages, page_size, max_seqs, max_pages;
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kUpdateThreads) CacheUpdateKernel(const Update
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     const int64_t num_seqs = Clamp(a.num_seqs[0], 0, a.max_seqs);
-    auto start = [&](int64_t n) { return Clamp(a.query_start_loc[n], 0, a.num_tokens); };
+    auto start = [&](int64_t n) { return Clamp(QueryStartAt(a.query_start_loc, n), 0, a.num_tokens); };
     // The largest n with start(n) <= row, narrowing 32-fold per step.
     int64_t lo = 0, hi = num_seqs, found = -1;
     while (hi > lo) {
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kUpdateThreads) CacheUpdateKernel(const Update
     int64_t target = -1;
     if (found >= 0) {
       const int64_t q_begin = start(found);
-      const int64_t q_end = Clamp(a.query_start_loc[found + 1], q_begin, a.num_tokens);
+      const int64_t q_end = Clamp(start(found + 1), q_begin, a.num_tokens);
       const int64_t kv_len = Clamp(a.kv_lens[found], 0, a.max_pages * a.page_size);
       const int64_t pos = kv_len - (q_end - q_begin) + (row - q_begin);
       if (row < q_end && pos >= 0 && pos < kv_len) {
@@ -114,7 +114,7 @@ Status CudaCacheUpdate(const CacheUpdateParams& p, const Dims& dims, cudaStream_
   a.value_cache = p.value_cache.data;
   a.kv_lens = p.kv_lens.ptr<int32_t>();
   a.block_tables = p.block_tables.ptr<int32_t>();
-  a.query_start_loc = p.query_start_loc.ptr<int32_t>();
+  a.query_start_loc = QueryStartLoc(p.query_start_loc);
   a.num_seqs = p.num_seqs.ptr<int32_t>();
   a.new_dtype_k = p.new_keys.dtype;
   a.new_dtype_v = p.new_values.dtype;

@@ -30,6 +30,13 @@ inline std::vector<std::string> AllFeatures() {
           "cache_update", "head_major",  "token_major",     "gqa"};
 }
 
+// query_start_loc is absent when it has zero elements (a real one has N + 1 >= 1), so it needs
+// no `operands` bit and callers that predate its absence keep working. Like an absent
+// kv_starts it becomes a default view: present() is false and its data pointer is null.
+inline StatusOr<TensorView> QueryStartLocOf(const xla::ffi::AnyBuffer& query_start_loc) {
+  return OptionalViewOf(query_start_loc, "query_start_loc", query_start_loc.element_count() > 0);
+}
+
 // Attention params from the target's operands, result and attributes. Shapes and values
 // are not checked here: Validate does that.
 inline StatusOr<Params> BuildParams(
@@ -46,7 +53,7 @@ inline StatusOr<Params> BuildParams(
   EJK_ASSIGN_OR_RETURN(p.value_cache, ViewOf(value_cache, "value_cache"));
   EJK_ASSIGN_OR_RETURN(p.kv_lens, ViewOf(kv_lens, "kv_lens"));
   EJK_ASSIGN_OR_RETURN(p.block_tables, ViewOf(block_tables, "block_tables"));
-  EJK_ASSIGN_OR_RETURN(p.query_start_loc, ViewOf(query_start_loc, "query_start_loc"));
+  EJK_ASSIGN_OR_RETURN(p.query_start_loc, QueryStartLocOf(query_start_loc));
   EJK_ASSIGN_OR_RETURN(p.num_seqs, ViewOf(num_seqs, "num_seqs"));
   EJK_ASSIGN_OR_RETURN(p.kv_starts, OptionalViewOf(kv_starts, "kv_starts", operands & kHasKvStarts));
   EJK_ASSIGN_OR_RETURN(p.sinks, OptionalViewOf(sinks, "sinks", operands & kHasSinks));
@@ -98,7 +105,7 @@ inline StatusOr<CacheUpdateParams> BuildCacheUpdateParams(
   EJK_ASSIGN_OR_RETURN(p.value_cache, ViewOf(value_cache_out, "value_cache (result)"));
   EJK_ASSIGN_OR_RETURN(p.kv_lens, ViewOf(kv_lens, "kv_lens"));
   EJK_ASSIGN_OR_RETURN(p.block_tables, ViewOf(block_tables, "block_tables"));
-  EJK_ASSIGN_OR_RETURN(p.query_start_loc, ViewOf(query_start_loc, "query_start_loc"));
+  EJK_ASSIGN_OR_RETURN(p.query_start_loc, QueryStartLocOf(query_start_loc));
   EJK_ASSIGN_OR_RETURN(p.num_seqs, ViewOf(num_seqs, "num_seqs"));
   const struct {
     const char* name;

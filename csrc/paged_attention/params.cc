@@ -83,7 +83,8 @@ StatusOr<CacheDims> CheckCaches(const TensorView& k, const TensorView& v, KvLayo
   return c;
 }
 
-// kv_lens [N], block_tables [N, M], query_start_loc [N + 1], num_seqs [1], all int32.
+// kv_lens [N], block_tables [N, M], query_start_loc [N + 1] or absent ([0]), num_seqs [1],
+// all int32.
 Status CheckMetadata(const TensorView& kv_lens, const TensorView& block_tables,
                      const TensorView& query_start_loc, const TensorView& num_seqs) {
   EJK_RETURN_IF_ERROR(Expect(kv_lens, "kv_lens", {DType::kI32}, {kAny}, "int32[N]"));
@@ -91,8 +92,13 @@ Status CheckMetadata(const TensorView& kv_lens, const TensorView& block_tables,
   const std::string n_is = " with N = " + Str(N) + " (kv_lens)";
   EJK_RETURN_IF_ERROR(Expect(block_tables, "block_tables", {DType::kI32}, {N, kAny},
                              "int32[N, M]" + n_is));
-  EJK_RETURN_IF_ERROR(Expect(query_start_loc, "query_start_loc", {DType::kI32}, {N + 1},
-                             "int32[N + 1]" + n_is));
+  const bool empty = query_start_loc.rank == 1 && query_start_loc.shape[0] == 0;
+  if (Given(query_start_loc)) {
+    EJK_RETURN_IF_ERROR(Expect(query_start_loc, "query_start_loc", {DType::kI32},
+                               {empty ? 0 : N + 1},
+                               "int32[N + 1]" + n_is + ", or int32[0] (absent: one query row "
+                               "per sequence)"));
+  }
   EJK_RETURN_IF_ERROR(Expect(num_seqs, "num_seqs", {DType::kI32}, {1}, "int32[1]"));
   return Status::Ok();
 }
@@ -112,7 +118,7 @@ Status CheckValues(const TensorView& kv_lens, const TensorView& block_tables,
                    FirstKey first_key) {
   const int32_t* lens = kv_lens.ptr<int32_t>();
   const int32_t* tables = block_tables.ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.ptr<int32_t>();
+  const int32_t* qsl = QueryStartLoc(query_start_loc);
   const int32_t* starts = kv_starts.present() ? kv_starts.ptr<int32_t>() : nullptr;
   const int64_t ns = num_seqs.ptr<int32_t>()[0];
   const int64_t N = d.max_seqs, M = d.max_pages_per_seq, S = d.page_size;
@@ -120,23 +126,33 @@ Status CheckValues(const TensorView& kv_lens, const TensorView& block_tables,
     return Invalid("num_seqs: " + Str(ns) + " must be in [0, N = " + Str(N) + "] (kv_lens " +
                    kv_lens.ToString() + ")");
   }
-  if (qsl[0] != 0) return Invalid("query_start_loc[0] must be 0, got " + Str(qsl[0]));
+  if (qsl == nullptr && ns > d.num_tokens) {
+    return Invalid("num_seqs: " + Str(ns) + " exceeds the number of query rows T = " +
+                   Str(d.num_tokens) +
+                   "; query_start_loc is absent, so each sequence owns one row");
+  }
+  if (qsl != nullptr && qsl[0] != 0) {
+    return Invalid("query_start_loc[0] must be 0, got " + Str(qsl[0]));
+  }
   for (int64_t n = 0; n < ns; ++n) {
     const std::string seq = "sequence " + Str(n);
-    if (qsl[n + 1] < qsl[n]) {
+    const int64_t q_begin = QueryStartAt(qsl, n), q_end = QueryStartAt(qsl, n + 1);
+    if (q_end < q_begin) {
       return Invalid("query_start_loc must be non-decreasing: query_start_loc[" + Str(n + 1) +
-                     "] = " + Str(qsl[n + 1]) + " < query_start_loc[" + Str(n) + "] = " +
-                     Str(qsl[n]));
+                     "] = " + Str(q_end) + " < query_start_loc[" + Str(n) + "] = " +
+                     Str(q_begin));
     }
-    if (qsl[n + 1] > d.num_tokens) {
-      return Invalid("query_start_loc[" + Str(n + 1) + "] = " + Str(qsl[n + 1]) +
+    if (q_end > d.num_tokens) {
+      return Invalid("query_start_loc[" + Str(n + 1) + "] = " + Str(q_end) +
                      " exceeds the number of query rows T = " + Str(d.num_tokens));
     }
-    const int64_t q_len = qsl[n + 1] - qsl[n], kv_len = lens[n];
+    const int64_t q_len = q_end - q_begin, kv_len = lens[n];
     if (kv_len < q_len) {
+      const std::string rows = qsl == nullptr ? "query_start_loc absent: row " + Str(n)
+                                              : "query_start_loc[" + Str(n) + ".." + Str(n + 1) +
+                                                    "] = " + Str(q_begin) + ".." + Str(q_end);
       return Invalid("kv_lens[" + Str(n) + "] = " + Str(kv_len) + " is below the " + Str(q_len) +
-                     " query rows of " + seq + " (query_start_loc[" + Str(n) + ".." + Str(n + 1) +
-                     "] = " + Str(qsl[n]) + ".." + Str(qsl[n + 1]) + ")");
+                     " query rows of " + seq + " (" + rows + ")");
     }
     if (kv_len > M * S) {
       return Invalid("kv_lens[" + Str(n) + "] = " + Str(kv_len) + " exceeds the " + Str(M) +
@@ -148,7 +164,7 @@ Status CheckValues(const TensorView& kv_lens, const TensorView& block_tables,
       return Invalid("kv_starts[" + Str(n) + "] = " + Str(kv_start) + " must be in [0, kv_lens[" +
                      Str(n) + "] = " + Str(kv_len) + "]");
     }
-    const int64_t first = first_key(Sequence{qsl[n], q_len, kv_len, kv_start});
+    const int64_t first = first_key(Sequence{q_begin, q_len, kv_len, kv_start});
     if (first >= kv_len) continue;
     for (int64_t page = first / S; page * S < kv_len; ++page) {
       const int64_t id = tables[n * M + page];

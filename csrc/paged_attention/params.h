@@ -14,7 +14,9 @@
 //   kv_lens          [N] i32           keys of sequence n: positions 0 .. kv_lens[n] - 1
 //   block_tables     [N, M] i32        page ids: key position j of sequence n is slot j % S of
 //                                      page block_tables[n, j / S]
-//   query_start_loc  [N + 1] i32       sequence n's queries are rows qsl[n] .. qsl[n+1] - 1 of q
+//   query_start_loc  [N + 1] i32, or   sequence n's queries are rows qsl[n] .. qsl[n+1] - 1 of q;
+//                    absent            absent means one query row per sequence, qsl[n] = n
+//                                      (decoding), and needs num_seqs <= T
 //   num_seqs         [1] i32           sequences present (<= N); later entries are padding and
 //                                      are never read as data
 //   kv_starts        [N] i32, optional keys before kv_starts[n] are invisible
@@ -47,9 +49,12 @@ constexpr int kOpVersion = 1;
 
 enum class KvLayout : int64_t { kHeadMajor = 0, kTokenMajor = 1 };
 
+// query_start_loc is absent as a default view (what the FFI handlers make of a zero-element
+// operand, so its data pointer is null) or as an int32[0] view; QueryStartLoc reads both.
+// Decode callers leave it out so that XLA launches no iota kernel to build [0, 1, ..., N].
 struct Params {
   TensorView q, key_cache, value_cache;
-  TensorView kv_lens, block_tables, query_start_loc, num_seqs;
+  TensorView kv_lens, block_tables, query_start_loc, num_seqs;  // query_start_loc optional
   TensorView kv_starts, sinks;  // optional
   KvLayout layout = KvLayout::kHeadMajor;
   float softmax_scale = 1.0f;
@@ -76,13 +81,27 @@ struct Dims {
   int64_t num_pages, page_size, max_seqs, max_pages_per_seq;
 };
 
+// query_start_loc's entries, or null when it is absent (a default view or int32[0]; for a
+// view that passed Validate).
+inline const int32_t* QueryStartLoc(const TensorView& query_start_loc) {
+  return query_start_loc.present() && query_start_loc.shape[0] > 0
+             ? query_start_loc.ptr<int32_t>()
+             : nullptr;
+}
+
+// The first query row of sequence n: qsl[n], or n when query_start_loc is absent (null).
+EJK_HOST_DEVICE int64_t QueryStartAt(const int32_t* qsl, int64_t n) {
+  return qsl != nullptr ? qsl[n] : n;
+}
+
 // Checks every shape, dtype and attribute; the message names the argument and its shape.
 // Does not read tensor data.
 StatusOr<Dims> Validate(const Params& p);
 
 // Reads the int32 metadata (host memory only): 0 <= num_seqs <= N; query_start_loc starts at
-// 0, is non-decreasing and ends within T; kv_lens[n] >= q_len of n and <= M * S; every page
-// id a present sequence uses lies in [0, P); kv_starts[n] in [0, kv_lens[n]].
+// 0, is non-decreasing and ends within T (absent: num_seqs <= T); kv_lens[n] >= q_len of n
+// and <= M * S; every page id a present sequence uses lies in [0, P); kv_starts[n] in
+// [0, kv_lens[n]].
 // Device kernels cannot afford this check before launch: they clamp instead, so a bad value
 // gives wrong numbers for its sequence, never an out-of-bounds access.
 Status ValidateMetadataValues(const Params& p, const Dims& dims);
@@ -90,7 +109,8 @@ Status ValidateMetadataValues(const Params& p, const Dims& dims);
 // Writing a step's new keys and values into the cache (ragged_page_attention_v3), in place:
 //   new_keys, new_values [T, Hkv, D] any float dtype; row r of sequence n goes to key
 //   position kv_lens[n] - q_len + (r - qsl[n]), quantised as value / scale when the cache is
-//   fp8 (and rounded to the cache dtype otherwise). The metadata is as in Params.
+//   fp8 (and rounded to the cache dtype otherwise). The metadata is as in Params (an
+//   absent query_start_loc included).
 struct CacheUpdateParams {
   TensorView new_keys, new_values;
   TensorView key_cache, value_cache;  // read and written (aliased in and out)
@@ -111,7 +131,9 @@ Status CacheUpdateCpu(const CacheUpdateParams& p);
 //
 // Target "ejkernel_paged_attention_{cpu,cuda}":
 //   operands: q, key_cache, value_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-//             kv_starts, sinks   (absent optionals: zero-element placeholders)
+//             kv_starts, sinks   (absent optionals: zero-element placeholders; a zero-element
+//             query_start_loc is absent, no `operands` bit needed since a real one has N + 1 >= 1
+//             entries)
 //   results:  out, split_workspace
 //   attrs:    softmax_scale f32, logits_soft_cap f32, window_left i64, causal bool,
 //             kv_layout i64, k_scale f32, v_scale f32, operands i64 (bit 1: kv_starts,
@@ -124,7 +146,7 @@ Status CacheUpdateCpu(const CacheUpdateParams& p);
 //
 // Target "ejkernel_paged_kv_cache_update_{cpu,cuda}":
 //   operands: new_keys, new_values, key_cache, value_cache, kv_lens, block_tables,
-//             query_start_loc, num_seqs
+//             query_start_loc (zero elements: absent), num_seqs
 //   results:  key_cache, value_cache (aliased to operands 2 and 3)
 //   attrs:    kv_layout i64, k_scale f32, v_scale f32
 

@@ -112,6 +112,7 @@ struct Case {
   // Per present sequence: query rows and keys (kv_len >= q_len).
   std::vector<int32_t> q_lens, kv_lens;
   std::vector<int32_t> kv_starts;  // empty: absent
+  bool absent_qsl = false;         // query_start_loc left out (every q_lens entry is 1)
   int64_t extra_slots = 2;         // sequence slots past num_seqs (padding)
   int64_t extra_rows = 3;          // query rows past the last sequence (padding)
   int64_t extra_pages = 5;         // pages no sequence uses
@@ -158,7 +159,7 @@ struct Inputs {
     p.value_cache = v.view();
     p.kv_lens = kv_lens.view();
     p.block_tables = block_tables.view();
-    p.query_start_loc = qsl.view();
+    if (!c.absent_qsl) p.query_start_loc = qsl.view();
     p.num_seqs = num_seqs.view();
     if (!c.kv_starts.empty()) p.kv_starts = kv_starts.view();
     if (c.sinks) p.sinks = sinks.view();
@@ -354,6 +355,43 @@ TEST_F(PagedAttentionCpuTest, DecodeBatch) {
   c.q_heads = 8;
   c.kv_heads = 2;
   RunCase(c, seed_);
+}
+
+// An absent query_start_loc: sequence n owns row n, rows from num_seqs on are padding.
+TEST_F(PagedAttentionCpuTest, DecodeWithoutQueryStartLoc) {
+  for (KvLayout layout : {KvLayout::kHeadMajor, KvLayout::kTokenMajor}) {
+    Case c;
+    c.name = layout == KvLayout::kHeadMajor ? "no qsl head-major" : "no qsl token-major";
+    c.layout = layout;
+    c.absent_qsl = true;
+    c.q_lens.assign(7, 1);
+    c.kv_lens = {1, 40, 64, 100, 3, 17, 250};
+    c.kv_starts = {0, 5, 0, 99, 3, 0, 31};
+    c.window_left = 90;
+    c.sinks = true;
+    c.q_heads = 6;
+    c.kv_heads = 2;
+    RunCase(c, seed_);
+  }
+}
+
+// An int32[0] view is absent too, and gives what an explicit [0, 1, ..., N] gives.
+TEST_F(PagedAttentionCpuTest, EmptyQueryStartLocMatchesArange) {
+  Case c;
+  c.q_lens.assign(5, 1);
+  c.kv_lens = {9, 70, 1, 33, 128};
+  c.extra_slots = 4;  // N = 9 > T = 7
+  c.extra_rows = 2;
+  std::mt19937 rng(seed_);
+  Inputs in = MakeInputs(c, rng);
+  Params p = in.params(c);
+  ASSERT_TRUE(AttentionCpu(p, c.cfg).ok());
+  const std::vector<unsigned char> want = in.out.bytes();
+  p.query_start_loc = TensorView::Contiguous(in.qsl.view().data, DType::kI32, {0});
+  for (int64_t i = 0; i < in.out.size(); ++i) in.out.Set(i, kNaN);
+  const Status s = AttentionCpu(p, c.cfg);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(in.out.bytes() == want) << "seed " << seed_;
 }
 
 TEST_F(PagedAttentionCpuTest, PrefillAndDecodeMixed) {
@@ -603,6 +641,7 @@ struct UpdateCase {
   KvLayout layout = KvLayout::kHeadMajor;
   DType new_dtype = DType::kF32, cache_dtype = DType::kBF16;
   float k_scale = 1.0f, v_scale = 1.0f;
+  bool absent_qsl = false;  // query_start_loc left out (every q_lens entry is 1)
 };
 
 void RunUpdate(const UpdateCase& c, uint32_t seed) {
@@ -662,7 +701,7 @@ void RunUpdate(const UpdateCase& c, uint32_t seed) {
   p.value_cache = v.view();
   p.kv_lens = kv_lens.view();
   p.block_tables = block_tables.view();
-  p.query_start_loc = query_start_loc.view();
+  if (!c.absent_qsl) p.query_start_loc = query_start_loc.view();
   p.num_seqs = num_seqs.view();
   p.layout = c.layout;
   p.k_scale = c.k_scale;
@@ -726,6 +765,18 @@ TEST(PagedKvCacheUpdateTest, PageSizes) {
     c.page_size = page_size;
     c.q_lens = {3, 1, 50};
     c.kv_lens = {200, 1, 60};
+    RunUpdate(c, TestSeed());
+  }
+}
+
+TEST(PagedKvCacheUpdateTest, WithoutQueryStartLoc) {
+  for (KvLayout layout : {KvLayout::kHeadMajor, KvLayout::kTokenMajor}) {
+    UpdateCase c;
+    c.name = "no qsl";
+    c.layout = layout;
+    c.absent_qsl = true;
+    c.q_lens.assign(5, 1);
+    c.kv_lens = {1, 16, 17, 40, 3};
     RunUpdate(c, TestSeed());
   }
 }
@@ -838,7 +889,20 @@ TEST(PagedAttentionValidationTest, Shapes) {
   {
     Valid v;
     v.p.query_start_loc.shape[0] = 4;
-    ExpectError(v.p, "query_start_loc: expected int32[N + 1] with N = 4 (kv_lens), got int32[4]");
+    ExpectError(v.p, "query_start_loc: expected int32[N + 1] with N = 4 (kv_lens), or int32[0] "
+                     "(absent: one query row per sequence), got int32[4]");
+  }
+  {
+    Valid v;
+    v.p.query_start_loc.dtype = DType::kF32;
+    v.p.query_start_loc.shape[0] = 0;
+    ExpectError(v.p, "query_start_loc: expected int32[N + 1] with N = 4 (kv_lens), or int32[0] "
+                     "(absent: one query row per sequence), got float32[0]");
+  }
+  {
+    Valid v;
+    v.p.query_start_loc = Reshape(v.p.query_start_loc, {5, 1});
+    ExpectError(v.p, "query_start_loc: expected int32[N + 1]");
   }
   {
     Valid v;
@@ -957,6 +1021,48 @@ TEST(PagedAttentionValidationTest, MetadataValues) {
       "kv_starts[0] = -2 must be in [0, kv_lens[0] = 20]");
 }
 
+TEST(PagedAttentionValidationTest, AbsentQueryStartLoc) {
+  // Valid: N = 4, T = 4, num_seqs = 2; without query_start_loc sequence n owns row n.
+  for (int empty_view = 0; empty_view < 2; ++empty_view) {
+    SCOPED_TRACE(empty_view ? "int32[0]" : "default view");
+    const auto absent = [&](Valid& v) {
+      v.p.query_start_loc = empty_view ? TensorView::Contiguous(v.in.qsl.view().data, DType::kI32, {0})
+                                       : TensorView{};
+    };
+    {
+      Valid v;
+      absent(v);
+      const Status s = AttentionCpu(v.p, Config{1, 32, 1});
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+    {
+      Valid v;
+      absent(v);
+      v.in.num_seqs.i32()[0] = 4;  // num_seqs == T: every row is a sequence's
+      for (int n = 2; n < 4; ++n) {
+        v.in.kv_lens.i32()[n] = 1;
+        v.in.block_tables.i32()[n * 2] = 0;
+      }
+      const Status s = AttentionCpu(v.p, Config{1, 32, 1});
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+    {
+      Valid v;
+      absent(v);
+      v.p.q.shape[0] = v.p.out.shape[0] = 1;
+      ExpectError(v.p, "num_seqs: 2 exceeds the number of query rows T = 1; query_start_loc is "
+                       "absent, so each sequence owns one row");
+    }
+    {
+      Valid v;
+      absent(v);
+      v.in.kv_lens.i32()[1] = 0;
+      ExpectError(v.p, "kv_lens[1] = 0 is below the 1 query rows of sequence 1 (query_start_loc "
+                       "absent: row 1)");
+    }
+  }
+}
+
 TEST(PagedAttentionValidationTest, UnreadPagesMayHoldAnything) {
   // Pages wholly before kv_starts or the window, and those of sequences without queries,
   // are not read, so their block_tables entries are not checked.
@@ -1048,6 +1154,16 @@ TEST(PagedKvCacheUpdateTest, Validation) {
     expect(p, "num_seqs: 3 must be in [0, N = 2]");
     ns[0] = 1;
   }
+  {
+    CacheUpdateParams p = make();  // absent: sequence 0 owns row 0 only
+    p.query_start_loc = TensorView{};
+    EXPECT_TRUE(CacheUpdateCpu(p).ok());
+    p.new_keys.shape[0] = p.new_values.shape[0] = 0;  // T = 0 < num_seqs
+    expect(p, "num_seqs: 1 exceeds the number of query rows T = 0");
+    p = make();
+    p.query_start_loc.shape[0] = 2;
+    expect(p, "query_start_loc: expected int32[N + 1] with N = 2 (kv_lens), or int32[0]");
+  }
 }
 
 // --- FFI layout and registry ----------------------------------------------------------
@@ -1084,6 +1200,25 @@ TEST(PagedAttentionRegistryTest, ConfigFromAttrs) {
   EXPECT_FALSE(ConfigFromAttrs(0, int64_t{1} << 40, 0).ok());
   EXPECT_EQ(kHasKvStarts, 1);
   EXPECT_EQ(kHasSinks, 2);
+}
+
+// A zero-element query_start_loc operand is absent: a default view with a null pointer, which
+// is what the CUDA kernels receive; a real one is viewed as is.
+TEST(PagedAttentionRegistryTest, QueryStartLocOperand) {
+  int32_t data[5] = {0, 1, 2, 3, 4};
+  int64_t empty_dims[1] = {0}, dims[1] = {5};
+  XLA_FFI_Buffer empty{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_S32, data, 1, empty_dims};
+  StatusOr<TensorView> absent = QueryStartLocOf(xla::ffi::AnyBuffer(&empty));
+  ASSERT_TRUE(absent.ok()) << absent.status().ToString();
+  EXPECT_FALSE(absent->present());
+  EXPECT_EQ(absent->ptr<int32_t>(), nullptr);
+  EXPECT_EQ(QueryStartLoc(*absent), nullptr);
+  EXPECT_EQ(QueryStartAt(QueryStartLoc(*absent), 3), 3);
+  XLA_FFI_Buffer real{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_S32, data, 1, dims};
+  StatusOr<TensorView> given = QueryStartLocOf(xla::ffi::AnyBuffer(&real));
+  ASSERT_TRUE(given.ok()) << given.status().ToString();
+  EXPECT_EQ(given->ToString(), "int32[5]");
+  EXPECT_EQ(QueryStartLoc(*given), data);
 }
 
 }  // namespace

@@ -15,7 +15,13 @@ import pytest
 
 import ejkernel
 from ejkernel import Platform, kernel_registry
-from ejkernel.kernels.paged_attention import OPERATIONS, PagedAttentionConfig, normalize, paged_attention_native
+from ejkernel.kernels.paged_attention import (
+    OPERATIONS,
+    PagedAttentionConfig,
+    normalize,
+    operation_args,
+    paged_attention_native,
+)
 from ejkernel.modules import (
     page_attention,
     prefill_page_attention,
@@ -311,6 +317,26 @@ def test_bad_values_speak_each_operations_names(base):
     with pytest.raises(ValueError, match="query_start_loc is required for 2 sequences"):
         prefill_page_attention(base["query"], base["key_cache"], base["value_cache"], jnp.asarray([30, 30], jnp.int32),
                                jnp.zeros((2, 4), jnp.int32), kv_layout="token_major", platform="xla")
+
+
+def test_decode_operations_leave_query_start_loc_out(base):
+    """page_attention and ragged_decode_attention build no [0, 1, ..., N] (a kernel launch per
+    call on GPUs): sequence n owns query row n; a ragged call keeps its query_start_loc."""
+    q, kc, vc = base["query"][:2], base["key_cache"], base["value_cache"]
+    lens, tables = jnp.asarray([5, 7], jnp.int32), base["block_tables"][:2]
+    args = operation_args("page_attention", q, kc, vc, lens, tables, kv_layout="token_major")
+    assert args.query_start_loc is None and int(args.num_seqs[0]) == 2
+    k = jnp.zeros((4, 16, 2, 32), jnp.float32)
+    args = operation_args("ragged_decode_attention", base["query"][:4], k, k, jnp.zeros(4, jnp.int32),
+                          jnp.full(4, 16, jnp.int32))
+    assert args.query_start_loc is None
+    args = operation_args("ragged_page_attention", *(base[n] for n in RAGGED))
+    np.testing.assert_array_equal(np.asarray(args.query_start_loc), np.asarray(base["query_start_loc"]))
+    with pytest.raises(ValueError, match=re.escape("block_tables must have one row per query (batch=2), got int32[9")):
+        page_attention(q, kc, vc, base["kv_lens"], base["block_tables"], kv_layout="token_major", platform="xla")
+    with pytest.raises(ValueError, match=re.escape("num_seqs[0]=3 exceeds the number of query rows 2 (one row per")):
+        normalize(q, kc, vc, base["kv_lens"][:3], base["block_tables"][:3], None, jnp.asarray([3], jnp.int32),
+                  kv_layout="token_major")
 
 
 # Registration and platform choice.

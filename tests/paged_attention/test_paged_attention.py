@@ -118,6 +118,45 @@ def test_garbage_is_never_read(impl, rng):
     assert np.isfinite(first).all()
 
 
+# Without query_start_loc (what the decode operations pass) sequence n owns query row n.
+DECODE = ((1, 37), (1, 1), (1, 64), (1, 90), (1, 16), (1, 200))
+ABSENT_QSL_CASES = {
+    "f32_head_major": Spec(DECODE),
+    "everything_bf16_token_major": Spec(DECODE, dtype="bfloat16", kv_layout="token_major", page_size=8, kv_heads=1,
+                                        soft_cap=6.0, sinks=True, window=17, kv_starts=True),
+    "fp8_f16": Spec(DECODE, dtype="float16", cache_dtype="float8_e4m3fn", k_scale=0.05, v_scale=0.02),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ABSENT_QSL_CASES))
+def test_absent_query_start_loc(impl, case, rng):
+    """Matches the reference and, bit for bit, the explicit [0, 1, ..., N]; under jit too,
+    with fewer sequences (their rows become padding)."""
+    batch = make_batch(ABSENT_QSL_CASES[case], rng)
+    args = core_args({**batch, "query_start_loc": None})
+    assert args.query_start_loc is None
+    impl.require(*args.features())
+    out = impl.attention(args)
+    check_output(out, batch, args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(impl.attention(core_args(batch))))
+    attend = jax.jit(lambda num_seqs: impl.attention(dataclasses.replace(args, num_seqs=num_seqs)))
+    fewer = {**batch, "num_seqs": np.array([3], np.int32)}
+    check_output(attend(jnp.asarray(fewer["num_seqs"])), fewer, args)
+
+
+def test_absent_query_start_loc_cache_update(impl, rng):
+    batch = make_batch(Spec(DECODE, dtype="bfloat16", kv_layout="token_major", update=True, page_size=8), rng)
+    args = core_args({**batch, "query_start_loc": None})
+    impl.require(*args.features())
+    key_cache, value_cache = impl.update(args)
+    meta = {k: batch[k] for k in ("kv_lens", "block_tables", "query_start_loc", "num_seqs", "kv_layout", "k_scale",
+                                  "v_scale")}
+    want_k, want_v = scatter_reference(batch["new_keys"], batch["new_values"], batch["key_cache"],
+                                       batch["value_cache"], **meta)
+    for name, got, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache, want_v)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8), err_msg=name)
+
+
 UPDATE_CASES = {
     "bf16_token_major": Spec(MIXED, dtype="bfloat16", kv_layout="token_major", update=True),
     "fp8_head_major_scaled": Spec(MIXED, dtype="bfloat16", cache_dtype="float8_e4m3fn", k_scale=0.05, v_scale=0.02,

@@ -2,8 +2,10 @@
 
 The operand, result and attribute layouts are those of csrc/paged_attention/params.h (bound
 in ffi_common.h). Absent optional operands travel as zero-element placeholders and the
-`operands` bit mask tells the handler which are real. The cache update aliases its cache
-operands to its results, so under jit with donated caches it writes in place.
+`operands` bit mask tells the handler which are real; query_start_loc needs no bit, since a
+zero-element one means one query row per sequence (a real one has N + 1 >= 1 entries). The
+cache update aliases its cache operands to its results, so under jit with donated caches it
+writes in place.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def paged_attention_native(
         args.value_cache,
         args.kv_lens,
         args.block_tables,
-        args.query_start_loc,
+        _placeholder(args.query_start_loc, jnp.int32),
         args.num_seqs,
         _placeholder(args.kv_starts, jnp.int32),
         _placeholder(args.sinks, jnp.float32),
@@ -84,8 +86,8 @@ def paged_kv_cache_update_native(platform: str, args: PagedArgs) -> tuple[jax.Ar
         vmap_method="sequential",
         input_output_aliases={2: 0, 3: 1},
     )
-    inputs = (args.new_keys, args.new_values, kc, vc, args.kv_lens, args.block_tables, args.query_start_loc,
-              args.num_seqs)
+    inputs = (args.new_keys, args.new_values, kc, vc, args.kv_lens, args.block_tables,
+              _placeholder(args.query_start_loc, jnp.int32), args.num_seqs)
     key_cache, value_cache = call(
         *inputs,
         kv_layout=np.int64(LAYOUTS[args.kv_layout]),

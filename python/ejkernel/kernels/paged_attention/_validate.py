@@ -43,6 +43,10 @@ class PagedArgs:
     and kv_starts [N] int32; sinks [Hq] float; new_keys/new_values [T, Hkv, D] (the cache
     update of ragged_page_attention_v3, written before attention). softmax_scale already
     includes any query scale; window_left < 0 means unbounded.
+
+    query_start_loc None means one query row per sequence (row n is sequence n's, so
+    num_seqs <= T): the decode operations pass None rather than an arange, which would cost
+    a kernel launch per call on GPUs. The native handlers receive it as int32[0].
     """
 
     query: Any
@@ -50,7 +54,7 @@ class PagedArgs:
     value_cache: Any
     kv_lens: Any
     block_tables: Any
-    query_start_loc: Any
+    query_start_loc: Any  # None: one query row per sequence
     num_seqs: Any
     kv_starts: Any = None
     sinks: Any = None
@@ -168,7 +172,8 @@ def normalize(
     v_scale: float | None = 1.0,
     names: Mapping[str, str] | None = None,
 ) -> PagedArgs:
-    """Validates the core's arguments and returns their normalised form.
+    """Validates the core's arguments and returns their normalised form (query_start_loc
+    may be None: one query row per sequence, see `PagedArgs`).
 
     `names` maps core argument names to the caller's (e.g. kv_lens -> "context_lens"), so
     errors speak the language of the operation that was called.
@@ -222,7 +227,8 @@ def normalize(
     n, m = block_tables.shape
     block_tables = _int_array(block_tables, nm["block_tables"], (n, m), f"[{n}, {m}]")
     kv_lens = _int_array(kv_lens, nm["kv_lens"], (n,), f"[max_num_seqs={n}] (rows of {nm['block_tables']})")
-    query_start_loc = _int_array(query_start_loc, nm["query_start_loc"], (n + 1,), f"[max_num_seqs + 1 = {n + 1}]")
+    if query_start_loc is not None:
+        query_start_loc = _int_array(query_start_loc, nm["query_start_loc"], (n + 1,), f"[max_num_seqs + 1 = {n + 1}]")
     num_seqs = _int_array(num_seqs, nm["num_seqs"], (1,), "[1]")
     if kv_starts is not None:
         kv_starts = _int_array(kv_starts, nm["kv_starts"], (n,), f"[max_num_seqs={n}]")
@@ -282,22 +288,29 @@ def normalize(
 def check_metadata_values(args: PagedArgs, names: Mapping[str, str] | None = None) -> None:
     """The rules of params.h ValidateMetadataValues, for concrete metadata (tracers skip).
 
-    Only present sequences (n < num_seqs) are checked. The page ids checked are those of
+    Only present sequences (n < num_seqs) are checked; without query_start_loc each owns one
+    row, so num_seqs must not exceed the query rows. The page ids checked are those of
     the pages a sequence's visible keys lie in: none for a sequence without queries, and
     from the first key its earliest query can see (kv_starts, sliding window) to kv_lens.
     """
     nm = _names(names)
-    values = [_concrete(x) for x in (args.num_seqs, args.query_start_loc, args.kv_lens, args.block_tables)]
-    starts = None if args.kv_starts is None else _concrete(args.kv_starts)
-    if any(v is None for v in values) or (args.kv_starts is not None and starts is None):
+    values = [_concrete(x) for x in (args.num_seqs, args.kv_lens, args.block_tables)]
+    qsl, starts = (None if x is None else _concrete(x) for x in (args.query_start_loc, args.kv_starts))
+    if (any(v is None for v in values) or (args.query_start_loc is not None and qsl is None)
+            or (args.kv_starts is not None and starts is None)):
         return
-    num_seqs, qsl, kv_lens, tables = (v.astype(np.int64) for v in values)
+    num_seqs, kv_lens, tables = (v.astype(np.int64) for v in values)
     t = args.query.shape[0]
     n_max, m = tables.shape
     p, s = args.key_cache.shape[0], args.page_size
     ns = int(num_seqs[0])
     if not 0 <= ns <= n_max:
         raise ValueError(f"{nm['num_seqs']}[0]={ns} must lie in [0, max_num_seqs={n_max}]")
+    if qsl is None:
+        if ns > t:
+            raise ValueError(f"{nm['num_seqs']}[0]={ns} exceeds the number of query rows {t} (one row per sequence)")
+        qsl = np.arange(n_max + 1, dtype=np.int64)
+    qsl = qsl.astype(np.int64)
     if qsl[0] != 0:
         raise ValueError(f"{nm['query_start_loc']}[0] must be 0, got {int(qsl[0])}")
     steps = np.diff(qsl[: ns + 1])
@@ -388,9 +401,11 @@ def page_attention_args(
 ) -> PagedArgs:
     query = _array(query, "query")
     b = query.shape[0] if query.ndim == 3 else 0
-    rows = jnp.arange(b + 1, dtype=jnp.int32)
+    tables = _array(block_tables, "block_tables")
+    if tables.ndim == 2 and tables.shape[0] != b:  # query row n is sequence n's
+        raise ValueError(f"block_tables must have one row per query (batch={b}), got {_shape(tables)}")
     return normalize(
-        query, key_cache, value_cache, context_lens, block_tables, rows, jnp.asarray([b], jnp.int32),
+        query, key_cache, value_cache, context_lens, block_tables, None, jnp.asarray([b], jnp.int32),
         sinks=softmax_aux, softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         window_left=window_from_size(sliding_window), kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
         names={"kv_lens": "context_lens", "sinks": "softmax_aux", "query_start_loc": "query rows",
@@ -442,8 +457,8 @@ def ragged_decode_attention_args(
                          f"query {_shape(query)}, key {_shape(key)}")
     b = key.shape[0]
     return normalize(
-        query, key, value, sequence_end, jnp.arange(b, dtype=jnp.int32)[:, None],
-        jnp.arange(b + 1, dtype=jnp.int32), jnp.asarray([b], jnp.int32), kv_starts=sequence_start,
+        query, key, value, sequence_end, np.arange(b, dtype=np.int32)[:, None], None,
+        jnp.asarray([b], jnp.int32), kv_starts=sequence_start,
         sinks=softmax_aux, softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         window_left=window_from_pair(sliding_window), kv_layout="token_major",
         names={"key_cache": "key", "value_cache": "value", "kv_lens": "sequence_end", "kv_starts": "sequence_start",

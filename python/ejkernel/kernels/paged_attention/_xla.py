@@ -59,8 +59,11 @@ def _compute_dtype(query_dtype: Any, cache_dtype: Any) -> Any:
 def _row_metadata(kv_lens, block_tables, query_start_loc, num_seqs, num_rows: int, total_rows: int, page_size: int):
     """Per row r < total_rows: (seq, real, pos, kv_len). seq is clamped into [0, N); real says
     whether a present sequence owns the row (rows from num_rows on never are); pos is the
-    row's key position, its query aligned to the end of the sequence's kv_lens keys."""
+    row's key position, its query aligned to the end of the sequence's kv_lens keys.
+    query_start_loc None: one row per sequence."""
     n, m = block_tables.shape
+    if query_start_loc is None:
+        query_start_loc = jnp.arange(n + 1, dtype=jnp.int32)
     ns = jnp.clip(num_seqs[0], 0, n)
     bounds = jnp.clip(query_start_loc, 0, num_rows)
     bounds = jnp.where(jnp.arange(n + 1) <= ns, bounds, bounds[ns])  # absent sequences own no rows
@@ -195,7 +198,7 @@ def paged_attention_xla(
     value_cache: Float[Array, "num_pages ..."],
     kv_lens: Int[Array, " max_num_seqs"],
     block_tables: Int[Array, "max_num_seqs pages_per_seq"],
-    query_start_loc: Int[Array, " max_num_seqs_plus_1"],
+    query_start_loc: Int[Array, " max_num_seqs_plus_1"] | None,
     num_seqs: Int[Array, " 1"],
     *,
     kv_starts: Int[Array, " max_num_seqs"] | None = None,
@@ -213,9 +216,10 @@ def paged_attention_xla(
     """The paged attention core (params.h) on normalised arguments (see `_validate.PagedArgs`).
 
     key_cache/value_cache are [P, Hkv, S, D] for kv_layout "head_major" and [P, S, Hkv, D]
-    for "token_major". Returns out [T, Hq, D] in the query's dtype; rows no present sequence
-    owns, and rows that see no key and have no sink, are 0. block_kv: keys per chunk;
-    block_tokens: rows per token block (None: from the memory budget).
+    for "token_major"; query_start_loc None means one query row per sequence. Returns out
+    [T, Hq, D] in the query's dtype; rows no present sequence owns, and rows that see no key
+    and have no sink, are 0. block_kv: keys per chunk; block_tokens: rows per token block
+    (None: from the memory budget).
     """
     token_major = kv_layout == "token_major"
     t, hq, d = query.shape
@@ -274,7 +278,7 @@ def paged_kv_cache_update_xla(
     value_cache: Float[Array, "num_pages ..."],
     kv_lens: Int[Array, " max_num_seqs"],
     block_tables: Int[Array, "max_num_seqs pages_per_seq"],
-    query_start_loc: Int[Array, " max_num_seqs_plus_1"],
+    query_start_loc: Int[Array, " max_num_seqs_plus_1"] | None,
     num_seqs: Int[Array, " 1"],
     *,
     kv_layout: str = "head_major",
@@ -282,11 +286,12 @@ def paged_kv_cache_update_xla(
     v_scale: float = 1.0,
 ) -> tuple[Array, Array]:
     """Writes each present row's new key and value at its position (params.h
-    CacheUpdateParams): row r of sequence n goes to key kv_lens[n] - q_len + (r - qsl[n]),
-    as value / scale into fp8 caches and as the value itself into others, rounded to
-    nearest even. Rows of absent sequences, and rows whose position or page is out of
-    range, write nothing. Returns the updated (key_cache, value_cache): a scatter that XLA
-    performs in place when the caches are donated to the enclosing jit."""
+    CacheUpdateParams; query_start_loc None: one row per sequence): row r of sequence n
+    goes to key kv_lens[n] - q_len + (r - qsl[n]), as value / scale into fp8 caches and as
+    the value itself into others, rounded to nearest even. Rows of absent sequences, and rows
+    whose position or page is out of range, write nothing. Returns the updated (key_cache,
+    value_cache): a scatter that XLA performs in place when the caches are donated to the
+    enclosing jit."""
     if new_keys.shape[0] == 0 or block_tables.shape[0] == 0 or block_tables.shape[1] == 0 or key_cache.shape[0] == 0:
         return key_cache, value_cache
     return _cache_update(kv_layout == "token_major", float(k_scale), float(v_scale), new_keys, new_values, key_cache,

@@ -242,9 +242,12 @@ __device__ __forceinline__ int SwizzledChunk(int row, int chunk) {
 // Shifting exponent and mantissa into f16 position is exact for every e4m3 value, normal or
 // subnormal, because the exponent biases differ by 8; the 2^8 folds into the logit and
 // output scales. Integer ops only, so sm_80 (no fp8 conversion instruction) stays cheap.
+// e4m3fn has no infinities; its NaN (magnitude bits all ones) would shift to 1.875 (480 after
+// scaling), so it gets the f16 exponent of all ones instead and stays NaN.
 __device__ __forceinline__ uint32_t Fp8x2ToHalf2(uint16_t raw) {
   const uint32_t x = raw;
-  return ((x & 0x007fu) << 7) | ((x & 0x0080u) << 8) | ((x & 0x7f00u) << 15) | ((x & 0x8000u) << 16);
+  const uint32_t nan = ((x & 0x007fu) == 0x007fu ? 0x00007c00u : 0u) | ((x & 0x7f00u) == 0x7f00u ? 0x7c000000u : 0u);
+  return ((x & 0x007fu) << 7) | ((x & 0x0080u) << 8) | ((x & 0x7f00u) << 15) | ((x & 0x8000u) << 16) | nan;
 }
 constexpr float kFp8HalfScale = 256.0f;  // undoes Fp8x2ToHalf2's 2^-8
 
@@ -974,6 +977,8 @@ __device__ __forceinline__ int64_t LargeTileStart(const Args& a, int64_t n) {
 template <typename Elem, typename CacheT, int kD>
 __global__ void __launch_bounds__(kThreads, 2) PagedAttentionKernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
+  // The split combine may launch once every block has started (it waits for this grid's end).
+  cu::AllowDependentLaunch();
   const int64_t num_seqs = NumSeqs(a);
   // Blocks in launch order: small tiles first (each spans a whole context, the longest
   // work), then large tiles, last tile of the packed batch first (causal: most keys).
@@ -1024,6 +1029,7 @@ constexpr int kSimtWarps = 4;
 constexpr int kSimtDims = kMaxHeadDim / 32;
 
 __global__ void __launch_bounds__(kSimtWarps * 32) PagedAttentionSimtKernel(const Args a) {
+  cu::AllowDependentLaunch();  // as PagedAttentionKernel
   const int lane = threadIdx.x % 32;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kSimtWarps + threadIdx.x / 32;
   const int split = blockIdx.y;
@@ -1111,13 +1117,17 @@ __global__ void __launch_bounds__(kSimtWarps * 32) PagedAttentionSimtKernel(cons
 }
 
 // ---------------------------------------------------------------------------------------
-// Split combine: one block per (token row, q head) of a present sequence; the split weights
-// go through shared memory, then each thread sums its output columns over the splits.
+// Split combine: one block per (token row, q head) of a present sequence. Every split's
+// partial output column is requested before the weights are known (one round trip to L2,
+// not one per split); the weights go through shared memory.
 
 constexpr int kCombineThreads = 128;
 constexpr int kMaxSplits = kMaxCudaSplits;
+constexpr int kCombineBatch = 32;  // splits per round of loads
 
 __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Args a) {
+  cu::WaitForPreviousGrid();  // the attention kernel's partials
+  cu::AllowDependentLaunch();
   __shared__ float s_weight[kMaxSplits];
   __shared__ float s_red[kCombineThreads / 32];
   const int tid = threadIdx.x;
@@ -1128,8 +1138,16 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Arg
   if (token < first || token >= max(first, QueryStart(a, num_seqs))) return;  // padding: zeroed
   const int64_t stride = a.num_tokens * a.num_q_heads;
   const int splits = a.num_splits;
-  const float m_mine = tid < splits ? a.partial_ml[2 * (tid * stride + item)] : -INFINITY;
-  const float l_mine = tid < splits ? a.partial_ml[2 * (tid * stride + item) + 1] : 0.0f;
+  const int64_t D = a.head_dim;
+  // This thread's first output column, all splits of the first batch in flight.
+  const int64_t d0 = tid;
+  float x[kCombineBatch];
+#pragma unroll
+  for (int k = 0; k < kCombineBatch; ++k) {
+    x[k] = d0 < D && k < splits ? __ldcg(a.partial_o + (k * stride + item) * D + d0) : 0.0f;
+  }
+  const float m_mine = tid < splits ? __ldcg(a.partial_ml + 2 * (tid * stride + item)) : -INFINITY;
+  const float l_mine = tid < splits ? __ldcg(a.partial_ml + 2 * (tid * stride + item) + 1) : 0.0f;
   float m = cu::LaneReduceMax(m_mine, 16);
   if (tid % 32 == 0) s_red[tid / 32] = m;
   __syncthreads();
@@ -1143,13 +1161,19 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Arg
   __syncthreads();
   sum = s_red[0] + s_red[1] + s_red[2] + s_red[3];
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  const int64_t D = a.head_dim;
-  for (int64_t d = tid; d < D; d += kCombineThreads) {
+  // Splits without keys have weight 0 and may hold anything: they are skipped, not scaled.
+  auto weighted = [&](int s, float v) { return s < splits && s_weight[s] != 0.0f ? v * s_weight[s] : 0.0f; };
+  for (int64_t d = d0; d < D; d += kCombineThreads) {
     float acc = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float ws = s_weight[s];
-      if (ws != 0.0f) acc += a.partial_o[(s * stride + item) * D + d] * ws;
+    for (int s0 = 0; s0 < splits; s0 += kCombineBatch) {
+      if (d != d0 || s0 != 0) {
+#pragma unroll
+        for (int k = 0; k < kCombineBatch; ++k) {
+          x[k] = s0 + k < splits ? __ldcg(a.partial_o + ((s0 + k) * stride + item) * D + d) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) acc += weighted(s0 + k, x[k]);
     }
     StoreFloat(a.out, a.q_dtype, item * D + d, acc * inv);
   }
@@ -1202,6 +1226,19 @@ Status LaunchMmaForDim(const Args& a, cudaStream_t stream) {
     case DType::kF16: return LaunchMma<__half, __half, kD>(a, stream);
     default: return LaunchMma<__half, uint8_t, kD>(a, stream);
   }
+}
+
+// Programmatic dependent launch needs compute capability 9.0.
+bool ProgrammaticLaunchSupported() {
+  static std::array<int, 64> cache{};  // per device: 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  if (cache[device] == 0) {
+    int major = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
+    cache[device] = ok && major >= 9 ? 2 : 1;
+  }
+  return cache[device] == 2;
 }
 
 Status LastLaunchError(const char* what) {
@@ -1350,8 +1387,12 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
     EJK_RETURN_IF_ERROR(LastLaunchError("SIMT attention kernel"));
   }
   if (a.num_splits > 1 && !a.dynamic_splits) {
-    CombineSplitsKernel<<<static_cast<unsigned>(dims.num_tokens * dims.num_q_heads), kCombineThreads, 0, stream>>>(a);
-    EJK_RETURN_IF_ERROR(LastLaunchError("split combine"));
+    if (cudaError_t err = cu::LaunchAfterPrevious(ProgrammaticLaunchSupported(), CombineSplitsKernel,
+                                                  dim3(static_cast<unsigned>(dims.num_tokens * dims.num_q_heads)),
+                                                  dim3(kCombineThreads), 0, stream, a);
+        err != cudaSuccess) {
+      return Status::Internal(std::string("paged attention: split combine launch failed: ") + cudaGetErrorString(err));
+    }
   }
   return Status::Ok();
 }

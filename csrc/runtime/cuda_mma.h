@@ -9,9 +9,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace ejk::cuda {
 
@@ -105,6 +107,42 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(SharedAddress(smem)),
                "l"(gmem), "r"(src_bytes), "l"(l2_policy));
+}
+
+// Programmatic dependent launch (sm_90 and later). A kernel started by LaunchAfterPrevious
+// may begin while the kernel before it in the stream is still finishing; it must call
+// WaitForPreviousGrid before it reads or writes memory that any earlier work touches (the
+// wait returns once the previous grid has completed and its writes are visible). A kernel
+// calls AllowDependentLaunch to let the next such kernel launch (its blocks then take SMs
+// as this grid's blocks exit). Elsewhere both are no-ops and the launch is an ordinary one.
+__device__ __forceinline__ void WaitForPreviousGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Launches `kernel` with programmatic stream serialisation where the device supports it
+// (compute capability 9.0+, `programmatic`), else as an ordinary launch.
+template <typename... Params, typename... Args>
+cudaError_t LaunchAfterPrevious(bool programmatic, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -144,17 +144,24 @@ def test_absent_query_start_loc(impl, case, rng):
     check_output(attend(jnp.asarray(fewer["num_seqs"])), fewer, args)
 
 
-def test_absent_query_start_loc_cache_update(impl, rng):
-    batch = make_batch(Spec(DECODE, dtype="bfloat16", kv_layout="token_major", update=True, page_size=8), rng)
-    args = core_args({**batch, "query_start_loc": None})
-    impl.require(*args.features())
-    key_cache, value_cache = impl.update(args)
+def _check_update(batch: dict, key_cache, value_cache):
+    """The updated caches equal, bit for bit, the NumPy scatter of the batch's new tokens
+    (which the query_start_loc of `batch` places); returns that scatter."""
     meta = {k: batch[k] for k in ("kv_lens", "block_tables", "query_start_loc", "num_seqs", "kv_layout", "k_scale",
                                   "v_scale")}
     want_k, want_v = scatter_reference(batch["new_keys"], batch["new_values"], batch["key_cache"],
                                        batch["value_cache"], **meta)
     for name, got, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache, want_v)):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8), err_msg=name)
+    return want_k, want_v
+
+
+def test_absent_query_start_loc_cache_update(impl, rng):
+    batch = make_batch(Spec(DECODE, dtype="bfloat16", kv_layout="token_major", update=True, page_size=8), rng)
+    args = core_args({**batch, "query_start_loc": None})
+    impl.require(*args.features())
+    _check_update(batch, *impl.update(args))
 
 
 UPDATE_CASES = {
@@ -176,13 +183,7 @@ def test_cache_update(impl, case, rng):
         batch["new_keys"][0, 0, :3] = np.asarray([1e3, -1e3, 30.0], np.float32).astype(batch["new_keys"].dtype)
         args = core_args(batch)
     key_cache, value_cache = impl.update(args)
-    meta = {k: batch[k] for k in ("kv_lens", "block_tables", "query_start_loc", "num_seqs", "kv_layout", "k_scale",
-                                  "v_scale")}
-    want_k, want_v = scatter_reference(batch["new_keys"], batch["new_values"], batch["key_cache"],
-                                       batch["value_cache"], **meta)
-    for name, got, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache, want_v)):
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8), err_msg=name)
+    want_k, want_v = _check_update(batch, key_cache, value_cache)
     updated = {**batch, "key_cache": want_k, "value_cache": want_v}
     check_output(impl.attention(dataclasses.replace(args, key_cache=key_cache, value_cache=value_cache)), updated,
                  args)

@@ -34,7 +34,9 @@
 // interleaved blocks, then claims one block at a time from a counter, so splits on SMs that
 // stream faster take more), and the last split of every tile to finish (a second counter)
 // merges the partials itself: no combine launch, no tail of unequal static shares. The
-// counters live in the workspace and are zeroed on the stream before the launch. Otherwise
+// counters live in the workspace; a small kernel zeroes them and the attention kernel
+// launches behind it programmatically (sm_90+), waiting for it only before its first claim,
+// so neither a memset nor a launch gap delays the K/V stream. Otherwise
 // (head_dim 256, the SIMT kernel) splits are static and a combine kernel merges them.
 // Sinks enter as one extra softmax term in split 0.
 #include <cuda_bf16.h>
@@ -708,6 +710,9 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     for (int kk = 0; kk < kD / 16; ++kk) load_q_frag(kk, q_frag[kk]);
   }
 
+  // The claim counters are zeroed by the kernel launched before this one, which may still be
+  // running (programmatic launch): everything above reads only data of earlier work.
+  cu::WaitForPreviousGrid();
   unsigned int claimed = 0;  // thread 0: the last claim, not yet in the ring
   for (int block = 0; block < (kClaims ? num_blocks : count); ++block) {
     cu::CpAsyncWait<Stage::kStages - 2>();
@@ -1199,6 +1204,27 @@ void SetLargeTiles(const Dims& d, Args* a) {
   a->large_tiles = std::min(by_seq, by_rows);
 }
 
+// Programmatic dependent launch needs compute capability 9.0.
+bool ProgrammaticLaunchSupported() {
+  static std::array<std::atomic<int>, 64> cache{};  // per device: 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  if (cache[device].load() == 0) {
+    int major = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
+    cache[device].store(ok && major >= 9 ? 2 : 1);
+  }
+  return cache[device].load() == 2;
+}
+
+// Zeroes the dynamic splits' claim counters and lets the attention kernel launch at once:
+// its blocks load Q and their first key blocks while this runs, and wait for it only before
+// their first claim. Replaces a memset and a launch gap on the decode path.
+__global__ void __launch_bounds__(256) ZeroCountersKernel(unsigned int* counters, int64_t n) {
+  cu::AllowDependentLaunch();
+  for (int64_t i = blockIdx.x * int64_t{256} + threadIdx.x; i < n; i += gridDim.x * int64_t{256}) counters[i] = 0;
+}
+
 template <typename Elem, typename CacheT, int kD>
 Status LaunchMma(const Args& a, cudaStream_t stream) {
   constexpr int kSmem = SmemLayout<Elem, CacheT, kD>::kBytes;
@@ -1215,7 +1241,12 @@ Status LaunchMma(const Args& a, cudaStream_t stream) {
   // At least one block: with no sequence slots it still zeroes the padding rows.
   const int64_t blocks = std::max<int64_t>(1, (a.large_tiles + a.max_seqs) * a.num_kv_heads * a.num_splits);
   if (blocks > INT32_MAX) return Status::InvalidArgument("paged attention CUDA: too many query tiles");
-  kernel<<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(a);
+  // After the counters' zeroing kernel (dynamic splits) the kernel launches programmatically.
+  if (cudaError_t err = cu::LaunchAfterPrevious(a.dynamic_splits && ProgrammaticLaunchSupported(), kernel,
+                                                dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmem, stream, a);
+      err != cudaSuccess) {
+    return Status::Internal(std::string("paged attention: attention kernel launch failed: ") + cudaGetErrorString(err));
+  }
   return Status::Ok();
 }
 
@@ -1226,19 +1257,6 @@ Status LaunchMmaForDim(const Args& a, cudaStream_t stream) {
     case DType::kF16: return LaunchMma<__half, __half, kD>(a, stream);
     default: return LaunchMma<__half, uint8_t, kD>(a, stream);
   }
-}
-
-// Programmatic dependent launch needs compute capability 9.0.
-bool ProgrammaticLaunchSupported() {
-  static std::array<int, 64> cache{};  // per device: 0 unknown, 1 no, 2 yes
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
-  if (cache[device] == 0) {
-    int major = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
-    cache[device] = ok && major >= 9 ? 2 : 1;
-  }
-  return cache[device] == 2;
 }
 
 Status LastLaunchError(const char* what) {
@@ -1363,10 +1381,10 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
     a.split_counters = reinterpret_cast<unsigned int*>(a.partial_ml + a.num_splits * rows * 2);
     a.dynamic_splits = UsesMma(dims, a.cache_dtype) && D <= kMaxFusedHeadDim;
     if (a.dynamic_splits) {
-      if (cudaError_t err = cudaMemsetAsync(a.split_counters, 0, rows * 2 * sizeof(unsigned int), stream);
-          err != cudaSuccess) {
-        return Status::Internal(std::string("paged attention: split counter reset failed: ") + cudaGetErrorString(err));
-      }
+      const int64_t counters = static_cast<int64_t>(rows) * 2;
+      ZeroCountersKernel<<<static_cast<unsigned>(std::min<int64_t>(1024, (counters + 255) / 256)), 256, 0, stream>>>(
+          a.split_counters, counters);
+      EJK_RETURN_IF_ERROR(LastLaunchError("split counter reset"));
     }
   }
   if (UsesMma(dims, a.cache_dtype)) {

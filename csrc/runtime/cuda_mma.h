@@ -110,9 +110,10 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
 }
 
 // Programmatic dependent launch (sm_90 and later). A kernel started by LaunchAfterPrevious
-// may begin while the kernel before it in the stream is still finishing; it must call
-// WaitForPreviousGrid before it reads or writes memory that any earlier work touches (the
-// wait returns once the previous grid has completed and its writes are visible). A kernel
+// may begin while the kernel before it in the stream is still running; it must call
+// WaitForPreviousGrid before it touches memory that kernel writes (the wait returns once the
+// previous grid has completed and its writes are visible). Work before that kernel, if it
+// was launched normally, had completed when it started. A kernel
 // calls AllowDependentLaunch to let the next such kernel launch (its blocks then take SMs
 // as this grid's blocks exit). Elsewhere both are no-ops and the launch is an ordinary one.
 __device__ __forceinline__ void WaitForPreviousGrid() {

@@ -15,6 +15,7 @@
 #include "flash_attention/cuda_head_dims.h"
 #include "flash_attention/ffi_common.h"
 #include "flash_attention/params.h"
+#include "runtime/cuda_device.h"
 #include "runtime/ffi_util.h"
 #include "runtime/registry.h"
 
@@ -61,23 +62,6 @@ std::string UnsupportedReason(const std::string& dtype, int64_t head_dim) {
     return "head_dim " + std::to_string(head_dim) + " is not built (built: " + built + ")";
   }
   return "";
-}
-
-struct DeviceArch {
-  int major = 0, minor = 0;
-};
-
-// Compute capability of the current device, cached per device (attribute reads are host-only).
-DeviceArch CurrentArch() {
-  static std::array<DeviceArch, 64> cache{};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return {};
-  DeviceArch& arch = cache[device];
-  if (arch.major == 0) {
-    cudaDeviceGetAttribute(&arch.major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&arch.minor, cudaDevAttrComputeCapabilityMinor, device);
-  }
-  return arch;
 }
 
 StatusOr<CudaConfig> ConfigFromAttrs(int64_t block_q, int64_t block_k, int64_t num_warps,
@@ -134,7 +118,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateForward(args.p));
   EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
   if (Status s = CheckSupported(args.p, args.dims); !s.ok()) return ToFfiError(s);
-  const DeviceArch arch = CurrentArch();
+  const CudaDeviceInfo& arch = CurrentCudaDevice();
   if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) {
     return ToFfiError(ForwardHopper(args, stream));
   }
@@ -176,7 +160,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateBackward(p));
   EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
   if (Status s = CheckSupported(p.fwd, args.dims); !s.ok()) return ToFfiError(s);
-  const DeviceArch arch = CurrentArch();
+  const CudaDeviceInfo& arch = CurrentCudaDevice();
   const bool hopper = HopperBackwardSupports(p, args.dims, arch.major, arch.minor).ok();
   const size_t bytes = hopper ? BackwardHopperScratchBytes(args.dims, p) : BackwardMmaScratchBytes(args.dims, p);
   void* workspace = nullptr;

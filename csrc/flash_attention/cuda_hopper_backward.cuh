@@ -24,8 +24,8 @@
 // cuda_hopper_backward.cu converts it into dq. Reducing from registers rather than through a
 // shared-memory staging tile and a bulk reduction saves the tile's 64 KB of shared-memory
 // traffic per query tile (by count, the S^T, dP^T and dQ products, N = 64 with both
-// operands in shared memory, already read it near its bandwidth) and the two barriers that coupled the consumers to the
-// reducing warp: 1-3% faster.
+// operands in shared memory, already read it near its bandwidth) and the two barriers that
+// coupled the consumers to the reducing warp: 1-3% faster.
 //
 // Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, as TMA
 // writes them and wgmma reads them: K and Q are K-major operands of S^T, V and dO of dP^T;

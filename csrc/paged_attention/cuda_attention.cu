@@ -52,6 +52,7 @@
 #include <string>
 
 #include "paged_attention/cuda_attention.cuh"
+#include "runtime/cuda_device.h"
 #include "runtime/cuda_mma.h"
 
 namespace ejk::paged_attention {
@@ -1205,17 +1206,7 @@ void SetLargeTiles(const Dims& d, Args* a) {
 }
 
 // Programmatic dependent launch needs compute capability 9.0.
-bool ProgrammaticLaunchSupported() {
-  static std::array<std::atomic<int>, 64> cache{};  // per device: 0 unknown, 1 no, 2 yes
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
-  if (cache[device].load() == 0) {
-    int major = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
-    cache[device].store(ok && major >= 9 ? 2 : 1);
-  }
-  return cache[device].load() == 2;
-}
+bool ProgrammaticLaunchSupported() { return CurrentCudaDevice().major >= 9; }
 
 // Zeroes the dynamic splits' claim counters and lets the attention kernel launch at once:
 // its blocks load Q and their first key blocks while this runs, and wait for it only before
@@ -1267,18 +1258,6 @@ Status LastLaunchError(const char* what) {
 }
 
 }  // namespace
-
-int CudaSmCount() {
-  static std::array<int, 64> cache{};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 1;
-  if (cache[device] == 0) {
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1) count = 1;
-    cache[device] = count;
-  }
-  return cache[device];
-}
 
 int CudaNumSplits(const Dims& dims, const Config& cfg, int sm_count) {
   // One split per 256 keys of the longest possible context at most.

@@ -19,9 +19,6 @@ namespace ejk::paged_attention {
 // The most split-KV partitions one (query tile, kv head) may take (the combine's limit).
 constexpr int kMaxCudaSplits = 128;
 
-// Multiprocessors of the current device, read once per device.
-int CudaSmCount();
-
 // Split-KV partitions per (query tile, kv head): cfg.num_splits when set, otherwise enough
 // thread blocks for one full wave (two per SM), given the static shapes. At least 1.
 int CudaNumSplits(const Dims& dims, const Config& cfg, int sm_count);

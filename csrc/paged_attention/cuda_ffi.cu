@@ -9,6 +9,7 @@
 #include "paged_attention/cuda_attention.cuh"
 #include "paged_attention/ffi_common.h"
 #include "paged_attention/params.h"
+#include "runtime/cuda_device.h"
 #include "runtime/ffi_util.h"
 #include "runtime/registry.h"
 
@@ -19,7 +20,7 @@ namespace {
 
 // The split count the caller resolved (0: resolve it here, the same way the heuristic does).
 int ResolvedSplits(const Dims& dims, const Config& cfg) {
-  return cfg.num_splits > 0 ? cfg.num_splits : CudaNumSplits(dims, cfg, CudaSmCount());
+  return cfg.num_splits > 0 ? cfg.num_splits : CudaNumSplits(dims, cfg, CurrentCudaDevice().sm_count);
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer key_cache,
@@ -123,7 +124,7 @@ namespace {
   dims.page_size = signature.value("page_size", int64_t{16});
   dims.max_seqs = signature.value("max_seqs", int64_t{1});
   dims.max_pages_per_seq = signature.value("max_pages_per_seq", int64_t{1});
-  return MakeConfig(CudaNumSplits(dims, Config{}, CudaSmCount()));
+  return MakeConfig(CudaNumSplits(dims, Config{}, CurrentCudaDevice().sm_count));
 }
 
 std::vector<::ejk::Config> CudaCandidates(const nlohmann::json&) {

@@ -113,9 +113,9 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
 // may begin while the kernel before it in the stream is still running; it must call
 // WaitForPreviousGrid before it touches memory that kernel writes (the wait returns once the
 // previous grid has completed and its writes are visible). Work before that kernel, if it
-// was launched normally, had completed when it started. A kernel
-// calls AllowDependentLaunch to let the next such kernel launch (its blocks then take SMs
-// as this grid's blocks exit). Elsewhere both are no-ops and the launch is an ordinary one.
+// was launched normally, had completed when it started. A kernel calls AllowDependentLaunch
+// to let the next such kernel launch (its blocks then take SMs as this grid's blocks exit).
+// Elsewhere both are no-ops and the launch is an ordinary one.
 __device__ __forceinline__ void WaitForPreviousGrid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

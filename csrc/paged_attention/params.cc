@@ -28,10 +28,12 @@ bool Given(const TensorView& t) { return t.rank != 0; }
 constexpr int64_t kAny = -1;
 
 // Checks dtype, rank, every dimension given as >= 0 (kAny: any non-negative size),
-// contiguity and data. `expected` describes the wanted shape for the message, e.g.
-// "int32[N, M] with N = 4 (kv_lens)".
+// contiguity and data. `expected()` describes the wanted shape for the message, e.g.
+// "int32[N, M] with N = 4 (kv_lens)"; it runs only on failure, since validation runs on the
+// host before every launch.
+template <typename Describe>
 Status Expect(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
-              std::initializer_list<int64_t> dims, const std::string& expected) {
+              std::initializer_list<int64_t> dims, Describe expected) {
   bool ok = t.rank == static_cast<int>(dims.size()) &&
             std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
   int i = 0;
@@ -40,7 +42,7 @@ Status Expect(const TensorView& t, const char* name, std::initializer_list<DType
     ok = t.shape[i] >= 0 && (x == kAny || t.shape[i] == x);
     ++i;
   }
-  if (!ok) return Invalid(std::string(name) + ": expected " + expected + ", got " + t.ToString());
+  if (!ok) return Invalid(std::string(name) + ": expected " + expected() + ", got " + t.ToString());
   return CheckTensor(t, name, t.rank, {t.dtype});
 }
 
@@ -69,17 +71,17 @@ struct CacheDims {
 
 // key_cache and value_cache: rank 4, one dtype, one shape, positive heads/page/head_dim.
 StatusOr<CacheDims> CheckCaches(const TensorView& k, const TensorView& v, KvLayout layout) {
-  const std::string want = DTypes(kCacheDTypes) + LayoutName(layout);
+  const auto want = [layout] { return DTypes(kCacheDTypes) + LayoutName(layout); };
   EJK_RETURN_IF_ERROR(Expect(k, "key_cache", kCacheDTypes, {kAny, kAny, kAny, kAny}, want));
   const bool head_major = layout == KvLayout::kHeadMajor;
   CacheDims c{k.dim(0), head_major ? k.dim(1) : k.dim(2), head_major ? k.dim(2) : k.dim(1),
               k.dim(3)};
   if (c.num_kv_heads == 0 || c.page_size == 0 || c.head_dim == 0) {
-    return Invalid("key_cache: expected " + want + " with Hkv, S and D positive, got " +
+    return Invalid("key_cache: expected " + want() + " with Hkv, S and D positive, got " +
                    k.ToString());
   }
   EJK_RETURN_IF_ERROR(Expect(v, "value_cache", {k.dtype}, {k.dim(0), k.dim(1), k.dim(2), k.dim(3)},
-                             k.ToString() + " (like key_cache)"));
+                             [&k] { return k.ToString() + " (like key_cache)"; }));
   return c;
 }
 
@@ -87,19 +89,23 @@ StatusOr<CacheDims> CheckCaches(const TensorView& k, const TensorView& v, KvLayo
 // all int32.
 Status CheckMetadata(const TensorView& kv_lens, const TensorView& block_tables,
                      const TensorView& query_start_loc, const TensorView& num_seqs) {
-  EJK_RETURN_IF_ERROR(Expect(kv_lens, "kv_lens", {DType::kI32}, {kAny}, "int32[N]"));
+  EJK_RETURN_IF_ERROR(
+      Expect(kv_lens, "kv_lens", {DType::kI32}, {kAny}, [] { return std::string("int32[N]"); }));
   const int64_t N = kv_lens.dim(0);
-  const std::string n_is = " with N = " + Str(N) + " (kv_lens)";
+  const auto n_is = [N] { return " with N = " + Str(N) + " (kv_lens)"; };
   EJK_RETURN_IF_ERROR(Expect(block_tables, "block_tables", {DType::kI32}, {N, kAny},
-                             "int32[N, M]" + n_is));
+                             [&] { return "int32[N, M]" + n_is(); }));
   const bool empty = query_start_loc.rank == 1 && query_start_loc.shape[0] == 0;
   if (Given(query_start_loc)) {
     EJK_RETURN_IF_ERROR(Expect(query_start_loc, "query_start_loc", {DType::kI32},
                                {empty ? 0 : N + 1},
-                               "int32[N + 1]" + n_is + ", or int32[0] (absent: one query row "
-                               "per sequence)"));
+                               [&] {
+                                 return "int32[N + 1]" + n_is() +
+                                        ", or int32[0] (absent: one query row per sequence)";
+                               }));
   }
-  EJK_RETURN_IF_ERROR(Expect(num_seqs, "num_seqs", {DType::kI32}, {1}, "int32[1]"));
+  EJK_RETURN_IF_ERROR(
+      Expect(num_seqs, "num_seqs", {DType::kI32}, {1}, [] { return std::string("int32[1]"); }));
   return Status::Ok();
 }
 
@@ -184,7 +190,7 @@ Status CheckValues(const TensorView& kv_lens, const TensorView& block_tables,
 StatusOr<Dims> Validate(const Params& p) {
   EJK_RETURN_IF_ERROR(CheckLayout(p.layout));
   EJK_RETURN_IF_ERROR(Expect(p.q, "q", kQueryDTypes, {kAny, kAny, kAny},
-                             DTypes(kQueryDTypes) + "[T, Hq, D]"));
+                             [] { return DTypes(kQueryDTypes) + "[T, Hq, D]"; }));
   const int64_t T = p.q.dim(0), Hq = p.q.dim(1), D = p.q.dim(2);
   if (Hq == 0 || D == 0) {
     return Invalid("q: expected [T, Hq, D] with Hq and D positive, got " + p.q.ToString());
@@ -193,26 +199,31 @@ StatusOr<Dims> Validate(const Params& p) {
     return Invalid("q: T must fit int32 (query_start_loc), got " + p.q.ToString());
   }
   EJK_ASSIGN_OR_RETURN(const CacheDims c, CheckCaches(p.key_cache, p.value_cache, p.layout));
-  const std::string qk = "; q " + p.q.ToString() + ", key_cache " + p.key_cache.ToString();
+  const auto qk = [&p] {
+    return "; q " + p.q.ToString() + ", key_cache " + p.key_cache.ToString();
+  };
   if (c.head_dim != D) {
     return Invalid("key_cache: head_dim D = " + Str(c.head_dim) + " must equal q's D = " + Str(D) +
-                   qk);
+                   qk());
   }
   if (Hq % c.num_kv_heads != 0) {
     return Invalid("key_cache: Hkv = " + Str(c.num_kv_heads) + " must divide q's Hq = " + Str(Hq) +
-                   qk);
+                   qk());
   }
   EJK_RETURN_IF_ERROR(CheckMetadata(p.kv_lens, p.block_tables, p.query_start_loc, p.num_seqs));
   const int64_t N = p.kv_lens.dim(0);
   if (Given(p.kv_starts)) {
     EJK_RETURN_IF_ERROR(Expect(p.kv_starts, "kv_starts", {DType::kI32}, {N},
-                               "int32[N] with N = " + Str(N) + " (kv_lens)"));
+                               [N] { return "int32[N] with N = " + Str(N) + " (kv_lens)"; }));
   }
   if (Given(p.sinks)) {
     EJK_RETURN_IF_ERROR(Expect(p.sinks, "sinks", kFloatDTypes, {Hq},
-                               DTypes(kFloatDTypes) + "[Hq] with Hq = " + Str(Hq) + " (q)"));
+                               [Hq] {
+                                 return DTypes(kFloatDTypes) + "[Hq] with Hq = " + Str(Hq) + " (q)";
+                               }));
   }
-  EJK_RETURN_IF_ERROR(Expect(p.out, "out", {p.q.dtype}, {T, Hq, D}, p.q.ToString() + " (like q)"));
+  EJK_RETURN_IF_ERROR(Expect(p.out, "out", {p.q.dtype}, {T, Hq, D},
+                             [&p] { return p.q.ToString() + " (like q)"; }));
   if (!std::isfinite(p.softmax_scale)) {
     return Invalid("softmax_scale must be finite, got " + FormatFloat(p.softmax_scale));
   }
@@ -244,15 +255,17 @@ StatusOr<Dims> ValidateCacheUpdate(const CacheUpdateParams& p) {
   EJK_RETURN_IF_ERROR(CheckLayout(p.layout));
   EJK_ASSIGN_OR_RETURN(const CacheDims c, CheckCaches(p.key_cache, p.value_cache, p.layout));
   const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
-  const std::string want = DTypes(kFloatDTypes) + "[T, Hkv, D] with Hkv = " + Str(Hkv) +
-                           ", D = " + Str(D) + " (key_cache " + p.key_cache.ToString() + ")";
+  const auto want = [&] {
+    return DTypes(kFloatDTypes) + "[T, Hkv, D] with Hkv = " + Str(Hkv) + ", D = " + Str(D) +
+           " (key_cache " + p.key_cache.ToString() + ")";
+  };
   EJK_RETURN_IF_ERROR(Expect(p.new_keys, "new_keys", kFloatDTypes, {kAny, Hkv, D}, want));
   const int64_t T = p.new_keys.dim(0);
   if (T > std::numeric_limits<int32_t>::max()) {
     return Invalid("new_keys: T must fit int32 (query_start_loc), got " + p.new_keys.ToString());
   }
   EJK_RETURN_IF_ERROR(Expect(p.new_values, "new_values", kFloatDTypes, {T, Hkv, D},
-                             want + " and T = " + Str(T) + " (new_keys)"));
+                             [&] { return want() + " and T = " + Str(T) + " (new_keys)"; }));
   EJK_RETURN_IF_ERROR(CheckMetadata(p.kv_lens, p.block_tables, p.query_start_loc, p.num_seqs));
   if (!std::isfinite(p.k_scale) || !std::isfinite(p.v_scale) || p.k_scale == 0.0f ||
       p.v_scale == 0.0f) {

@@ -24,6 +24,9 @@ extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStre
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStream_t);
+#endif
 
 namespace {
 
@@ -41,6 +44,9 @@ bool HeadDimBuilt(int64_t d) {
 #if EJK_FA_HEAD_DIM_ENABLED(128)
     case 128: return true;
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+    case 256: return true;
+#endif
     default: return false;
   }
 }
@@ -57,7 +63,13 @@ bool BuiltForSm90() {
   return built;
 }
 
-int BlockMFor(int64_t head_dim) { return head_dim == 64 ? BlockM<64>::kValue : BlockM<128>::kValue; }
+// Query rows per tile and keys per block (cuda_hopper_backward.cuh), for a built head dim.
+int BlockMFor(int64_t head_dim) {
+  return head_dim == 64 ? Layout<64>::kBlockM : head_dim == 128 ? Layout<128>::kBlockM : Layout<256>::kBlockM;
+}
+int BlockNFor(int64_t head_dim) {
+  return head_dim == 64 ? Layout<64>::kBlockN : head_dim == 128 ? Layout<128>::kBlockN : Layout<256>::kBlockN;
+}
 
 struct ScratchLayout {
   int64_t num_m_blocks, padded_q, rows;
@@ -182,7 +194,8 @@ __global__ void ConvertDqKernel(const float* acc, T* dq, int64_t pairs, int32_t 
     const int i = static_cast<int>(bi % seqlen_q);
     const int64_t b = bi / seqlen_q;
     const int m_block = i / block_m, row_in_tile = i % block_m;
-    // Query tiles of 64 rows split the head dim between the warpgroups, tiles of 128 rows the rows.
+    // Query tiles of 64 rows hold 64-column blocks of the head dim (one per warpgroup at
+    // head dim 128, two at 256), tiles of 128 rows one 64-row block per warpgroup.
     const int w = block_m == 64 ? col / 64 : row_in_tile / 64;
     const int row = block_m == 64 ? row_in_tile : row_in_tile % 64;
     const int c = col % 64;
@@ -209,6 +222,9 @@ Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softc
 #if EJK_FA_HEAD_DIM_ENABLED(128)
     case 128: return Launch<128>(kp, f16, softcap, batch, stream);
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+    case 256: return Launch<256>(kp, f16, softcap, batch, stream);
+#endif
     default: return Status::Unimplemented("hopper flash attention backward: head_dim " + std::to_string(head_dim));
   }
 }
@@ -227,7 +243,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   if (!hopper_backward::BuiltForSm90()) return no("the library holds no sm_90a code");
   if (f.q.dtype != DType::kBF16 && f.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + f.q.ToString());
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) {
-    return no("head_dim must be 64 or 128 (as built), got " + std::to_string(dims.head_dim));
+    return no("head_dim must be 64, 128 or 256 (as built), got " + std::to_string(dims.head_dim));
   }
   if (f.bias.present()) return no("bias is not supported");
   if (f.mask.present()) return no("mask is not supported");
@@ -263,8 +279,9 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
 
   KernelParams kp;
   EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(f.q, block_m, "query", &kp.tma_q));
-  EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(f.k, 128, "key", &kp.tma_k));
-  EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(f.v, 128, "value", &kp.tma_v));
+  const int block_n = BlockNFor(d.head_dim);
+  EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(f.k, block_n, "key", &kp.tma_k));
+  EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(f.v, block_n, "value", &kp.tma_v));
   EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(p.dout, block_m, "dout", &kp.tma_do));
   kp.dk = p.dk.data;
   kp.dv = p.dv.data;

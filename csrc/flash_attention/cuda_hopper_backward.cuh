@@ -1,18 +1,21 @@
 // Flash attention backward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
-// One thread block per (key tile of kBlockN = 128 keys, batch row, kv head). It keeps its K
-// and V tile in shared memory and dK, dV in registers, and walks every query tile that can
-// see its keys, for every query head of the kv group (GQA never materialises per-q-head
-// dK/dV):
+// One thread block per (key tile of kBlockN keys, batch row, kv head). It keeps its K and V
+// tile in shared memory and dK, dV in registers, and walks every query tile that can see its
+// keys, for every query head of the kv group (GQA never materialises per-q-head dK/dV):
 //   warp 0       loads K and V once, then Q, dO (TMA) and the rows' lse and D (bulk copies)
 //                of each query tile into a 2-stage ring guarded by mbarriers;
-//   warpgroups 1 and 2  consumers, 64 keys each: S^T = K Q^T and dP^T = V dO^T (wgmma, both
-//                operands from shared memory), P^T = exp2(S^T * scale * log2 e - lse) and
-//                dS^T = P^T (dP^T - D) in registers, where they already are the A operands
-//                of dV += P^T dO and dK += dS^T Q (wgmma with A from registers). dS^T also
-//                goes to shared memory, from where the two warpgroups compute dQ = dS K, each
-//                a 64 x 64 block of it, and add it into the global accumulator straight from
-//                registers (vector reductions in L2).
+//   warpgroups 1 and 2  consumers. Head dims 64/128 (kBlockN = 128, 64 keys each): S^T =
+//                K Q^T and dP^T = V dO^T (wgmma, both operands from shared memory), P^T =
+//                exp2(S^T * scale * log2 e - lse) and dS^T = P^T (dP^T - D) in registers,
+//                where they already are the A operands of dV += P^T dO and dK += dS^T Q
+//                (wgmma with A from registers). dS^T also goes to shared memory, from where
+//                the two warpgroups compute dQ = dS K, each a 64 x 64 block of it, and add it
+//                into the global accumulator straight from registers (vector reductions in
+//                L2). Head dim 256 (kBlockN = 64, see Layout): each warpgroup computes S^T
+//                and dP^T for 32 of the tile's queries, P^T and dS^T meet in shared memory,
+//                and each warpgroup owns 128 columns of dV, dK and dQ (all operands from
+//                shared memory).
 // Registers move from the producer warpgroup to the consumers with setmaxnreg.
 //
 // Query tiles that the causal/window masks hide from every key of the block are never
@@ -47,9 +50,17 @@
 
 namespace ejk::flash_attention::hopper_backward {
 
-// Query rows per tile: the consumers' S^T/dP^T accumulators hold kBlockM / 2 floats each
-// next to dK and dV (kHeadDim / 2 each), so the wider head dim takes the shorter tile. Either
-// way dQ is kBlockM * kHeadDim = 8192 floats, a 64 x 64 block per consumer warpgroup.
+// Two ways to share a block between the consumer warpgroups:
+//   head dims 64 and 128 ("split keys"): kBlockN = 128 keys, each warpgroup owns 64 of them,
+//     all their dK/dV columns, and the whole S^T/dP^T rows of its keys, so P^T and dS^T are
+//     the register A operands of dV and dK. The consumers' S^T/dP^T accumulators hold
+//     kBlockM / 2 floats each next to dK and dV (kHeadDim / 2 each), so the wider head dim
+//     takes the shorter query tile. dQ is kBlockM * kHeadDim = 8192 floats, a 64 x 64 block
+//     per warpgroup.
+//   head dim 256 ("split queries"): dK and dV of 128 keys x 256 columns do not fit in two
+//     warpgroups' registers, so kBlockN = 64 keys, and each warpgroup owns 128 columns of
+//     dK, dV and dQ and 32 query columns of S^T and dP^T (m64n32 products). P^T and dS^T go
+//     through shared memory, from where both warpgroups read them as A operands.
 template <int kHeadDim>
 struct BlockM;
 template <>
@@ -60,11 +71,16 @@ template <>
 struct BlockM<128> {
   static constexpr int kValue = 64;
 };
+template <>
+struct BlockM<256> {
+  static constexpr int kValue = 64;
+};
 
 template <int kHeadDim>
 struct Layout {
+  static constexpr bool kSplitQueries = kHeadDim == 256;
   static constexpr int kBlockM = BlockM<kHeadDim>::kValue;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kSplitQueries ? 64 : 128;
   static constexpr int kThreads = 384;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
@@ -73,7 +89,7 @@ struct Layout {
   static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
   static constexpr int kQBlockBytes = kBlockM * 128;
   static constexpr int kQTileBytes = kColBlocks * kQBlockBytes;
-  static constexpr int kDsBlockBytes = kBlockN * 128;  // dS^T: 128 keys x 64 queries
+  static constexpr int kDsBlockBytes = kBlockN * 128;  // dS^T (and P^T): kBlockN keys x 64 queries
   static constexpr int kDsBytes = kBlockM / 64 * kDsBlockBytes;
   static constexpr int kDqFloats = kBlockM * kHeadDim;
   static constexpr int kK = 0;
@@ -81,13 +97,14 @@ struct Layout {
   static constexpr int kQ = kV + kKvTileBytes;       // 2 stages
   static constexpr int kDo = kQ + 2 * kQTileBytes;   // 2 stages
   static constexpr int kDs = kDo + 2 * kQTileBytes;  // 2 buffers
-  static constexpr int kLse = kDs + 2 * kDsBytes;        // 2 stages
-  static constexpr int kDelta = kLse + 2 * kBlockM * 4;  // 2 stages
+  static constexpr int kP = kDs + 2 * kDsBytes;      // 2 buffers, split queries only
+  static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);  // 2 stages
+  static constexpr int kDelta = kLse + 2 * kBlockM * 4;                 // 2 stages
   static constexpr int kBarriers = kDelta + 2 * kBlockM * 4;
   // kv_full, q_full[2], do_full[2], empty[2].
   static constexpr int kBytes = kBarriers + 8 * 7;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
-  static_assert(kDqFloats == 8192, "dQ: one 64 x 64 block per consumer warpgroup");
+  static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
   static_assert(kAllocBytes <= 232448, "shared memory");
 };
 
@@ -118,27 +135,57 @@ namespace device {
 
 using namespace ejk::flash_attention::hopper::device;
 
-// D[64x64] (+)= A[64x16] * B[16x64], both from shared memory; kTransA/kTransB: MN-major.
+// D[64x32] (+)= A[64x16] * B[16x32], both from shared memory; kTransA/kTransB: MN-major.
 template <bool kF16, int kTransA, int kTransB>
-__device__ __forceinline__ void WgmmaSS64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-#define EJK_WGMMA_SS64(TYPE)                                                                                       \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                       \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                    \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
-               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"        \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),         \
-                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),       \
-                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),       \
-                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                            \
+__device__ __forceinline__ void WgmmaSST(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define EJK_WGMMA_SS_N32(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " " \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
                : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB))
   if constexpr (kF16) {
-    EJK_WGMMA_SS64("f16");
+    EJK_WGMMA_SS_N32("f16");
   } else {
-    EJK_WGMMA_SS64("bf16");
+    EJK_WGMMA_SS_N32("bf16");
   }
-#undef EJK_WGMMA_SS64
+#undef EJK_WGMMA_SS_N32
 }
+
+// D[64x64] (+)= A[64x16] * B[16x64], both from shared memory; kTransA/kTransB: MN-major.
+template <bool kF16, int kTransA, int kTransB>
+__device__ __forceinline__ void WgmmaSST(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define EJK_WGMMA_SS_N64(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB))
+  if constexpr (kF16) {
+    EJK_WGMMA_SS_N64("f16");
+  } else {
+    EJK_WGMMA_SS_N64("bf16");
+  }
+#undef EJK_WGMMA_SS_N64
+}
+
+// D[64x128] (+)= A[64x16] * B[16x128], both from shared memory; kTransA/kTransB: MN-major.
+template <bool kF16, int kTransA, int kTransB>
+__device__ __forceinline__ void WgmmaSST(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define EJK_WGMMA_SS_N128(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB))
+  if constexpr (kF16) {
+    EJK_WGMMA_SS_N128("f16");
+  } else {
+    EJK_WGMMA_SS_N128("bf16");
+  }
+#undef EJK_WGMMA_SS_N128
+}
+
 
 // 1-d bulk copy of `bytes` (multiple of 16) from global into shared memory, completing on `bar`.
 __device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
@@ -169,6 +216,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kColBlocks = L::kColBlocks;
+  constexpr bool kSplitQueries = L::kSplitQueries;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -268,148 +316,242 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32;
   const int g = lane / 4, t4 = lane % 4;
-  // This thread's accumulator rows (keys) within the block: key_row + 8 * r.
-  const int key_row = wg * 64 + warp * 16 + g;
-  // dQ block of this warpgroup: 64 query rows x 64 columns.
-  constexpr int kDqRowBlocks = kBlockM / 64;
-  const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
-  const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
-
-  float dk[kHeadDim / 2], dv[kHeadDim / 2];
+  // This thread's dK/dV rows (keys) within the block, key_row + 8 * r, and columns,
+  // col0 + 8 j + 2 t4 + c.
+  const int key_row = (kSplitQueries ? 0 : wg * 64) + warp * 16 + g;
+  const int col0 = kSplitQueries ? wg * 128 : 0;
+  constexpr int kAcc = kSplitQueries ? kHeadDim / 4 : kHeadDim / 2;
+  float dk[kAcc], dv[kAcc];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.0f;
+  for (int i = 0; i < kAcc; ++i) dk[i] = dv[i] = 0.0f;
+
+  // P^T and dS^T from the recomputed S^T and dP^T (masks are applied by the caller).
+  const auto prob_and_grad = [&](float& sc, float& dp, float l, float d) {
+    float pv, ds;
+    if constexpr (kSoftcap) {
+      const float t = Tanh(sc * p.softcap_pre);
+      pv = Exp2(fmaf(t, p.logit_scale, -l));
+      ds = pv * (dp - d) * (1.0f - t * t);
+    } else {
+      pv = Exp2(fmaf(sc, p.logit_scale, -l));
+      ds = pv * (dp - d);
+    }
+    sc = pv;
+    dp = ds;
+  };
+  // Whether key (of the block) is hidden from query (of the tile), for tiles on a mask
+  // boundary or at the sequence end.
+  const int right = offset + p.right, left = offset - p.left;
+  const auto hidden = [&](int key, int query) {
+    return (key >= sk) | (key > query + right) | (key < query + left);  // no short circuit: no branches
+  };
+  // dQ of warpgroup column block b (64 x 64 floats, 4096) into its tile in register order:
+  // float4 (j, thread) holds accumulator elements 4j..4j+3, so each warp's reductions cover
+  // 512 contiguous bytes.
+  const auto add_dq = [&](const float* dq, int it, int b) {
+    const int head = kv_head * p.group + it / m_count;
+    const int m_block = m_lo + it % m_count;
+    float* tile = p.dq_accum + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) *
+                                   static_cast<int64_t>(L::kDqFloats) + b * 4096;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+  };
 
   if (items > 0) MbarWait(kv_full, 0);
   for (int it = 0; it < items; ++it) {
     const int s = it & 1;
     const uint32_t phase = (it >> 1) & 1;
     const int m0 = (m_lo + it % m_count) * kBlockM;
-
-    float sc[kBlockM / 2], dp[kBlockM / 2];
-    const auto issue_scores = [&](float (&acc)[kBlockM / 2], uint32_t a_base, uint32_t b_base) {
+    if constexpr (kSplitQueries) {
+      // S^T and dP^T for the block's 64 keys x this warpgroup's 32 queries.
+      float sc[16], dp[16];
+      const auto issue_scores = [&](float (&acc)[16], uint32_t a_base, uint32_t b_base) {
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint64_t desc_a = MakeDescriptor(a_base + (kk / 4) * L::kKvBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
-        const uint64_t desc_b = MakeDescriptor(b_base + (kk / 4) * L::kQBlockBytes + (kk % 4) * 32, 16, 1024);
-        if constexpr (kBlockM == 64) {
-          WgmmaSS64<kF16, 0, 0>(acc, desc_a, desc_b, kk > 0);
-        } else {
-          WgmmaSS<kF16>(acc, desc_a, desc_b, kk > 0);
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          const uint64_t desc_a = MakeDescriptor(a_base + (kk / 4) * L::kKvBlockBytes + (kk % 4) * 32, 16, 1024);
+          const uint64_t desc_b = MakeDescriptor(b_base + (kk / 4) * L::kQBlockBytes + wg * 32 * 128 + (kk % 4) * 32, 16, 1024);
+          WgmmaSST<kF16, 0, 0>(acc, desc_a, desc_b, kk > 0);
         }
-      }
-    };
-    MbarWait(q_full(s), phase);
-    WgmmaFence();
-    issue_scores(sc, k_smem, q_smem(s));
-    WgmmaCommit();
-    MbarWait(do_full(s), phase);
-    issue_scores(dp, v_smem, do_smem(s));
-    WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegisters(sc);
-    FenceRegisters(dp);
+      };
+      MbarWait(q_full(s), phase);
+      WgmmaFence();
+      issue_scores(sc, k_smem, q_smem(s));
+      WgmmaCommit();
+      MbarWait(do_full(s), phase);
+      issue_scores(dp, v_smem, do_smem(s));
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegisters(sc);
+      FenceRegisters(dp);
 
-    // P^T and dS^T; columns are queries m0 + 8j + 2 t4 + c.
-    const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
-    const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
-    const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
-                        n0 < m0 + kBlockM - 1 + offset - p.left;
-#pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
-      const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int i = 4 * j + 2 * r + c;
-          const float l = c ? l2.y : l2.x, d = c ? d2.y : d2.x;
-          float pv, ds;
-          if constexpr (kSoftcap) {
-            const float t = Tanh(sc[i] * p.softcap_pre);
-            pv = Exp2(fmaf(t, p.logit_scale, -l));
-            ds = pv * (dp[i] - d) * (1.0f - t * t);
-          } else {
-            pv = Exp2(fmaf(sc[i], p.logit_scale, -l));
-            ds = pv * (dp[i] - d);
-          }
-          if (masked) {
-            const int key = n0 + key_row + 8 * r, query = m0 + 8 * j + 2 * t4 + c;
-            if (key >= sk || key > query + offset + p.right || key < query + offset - p.left) pv = ds = 0.0f;
-          }
-          sc[i] = pv;
-          dp[i] = ds;
-        }
-      }
-    }
-    uint32_t pp[kBlockM / 4], pds[kBlockM / 4];
-#pragma unroll
-    for (int i = 0; i < kBlockM / 4; ++i) {
-      pp[i] = Pack<kF16>(sc[2 * i], sc[2 * i + 1]);
-      pds[i] = Pack<kF16>(dp[2 * i], dp[2 * i + 1]);
-    }
-    // dS^T into shared memory, [query block][key][64 queries] in the 128-byte swizzle: the
-    // pair (key, queries 8j + 2 t4 + {0, 1}) sits in 16-byte chunk (j % 8) ^ (key % 8), and
-    // key % 8 == g.
-    {
+      const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
+      const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
+      const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+                          n0 < m0 + kBlockM - 1 + offset - p.left;
+      // Columns are queries 32 wg + 8j + 2 t4 + c; P^T and dS^T go to [key][64 queries] in the
+      // 128-byte swizzle: the pair (key, queries 8 (4 wg + j) + 2 t4 + {0, 1}) sits in 16-byte
+      // chunk (4 wg + j) ^ (key % 8), and key % 8 == g.
+      uint8_t* p_base = smem_ptr + L::kP + (it & 1) * L::kDsBytes;
       uint8_t* ds_base = smem_ptr + L::kDs + (it & 1) * L::kDsBytes;
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
+      for (int j = 0; j < 4; ++j) {
+        const int q_col = 32 * wg + 8 * j + 2 * t4;
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + q_col);
+        const float2 d2 = *reinterpret_cast<const float2*>(delta + q_col);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int key = key_row + 8 * r;
-          *reinterpret_cast<uint32_t*>(ds_base + (j / 8) * L::kDsBlockBytes + key * 128 + (((j % 8) ^ g) << 4) + t4 * 4) =
-              pds[2 * j + r];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * j + 2 * r + c;
+            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
+            if (masked && hidden(n0 + key_row + 8 * r, m0 + q_col + c)) sc[i] = dp[i] = 0.0f;
+          }
+          const int at = (key_row + 8 * r) * 128 + (((4 * wg + j) ^ g) << 4) + t4 * 4;
+          *reinterpret_cast<uint32_t*>(p_base + at) = Pack<kF16>(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
+          *reinterpret_cast<uint32_t*>(ds_base + at) = Pack<kF16>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
         }
       }
-    }
-    FenceProxyAsync();
+      FenceProxyAsync();
+      NamedBarrierSync(kBarDsReady, 256);
 
-    // dV += P^T dO, dK += dS^T Q.
-    WgmmaFence();
+      // dV += P^T dO and dK += dS^T Q over this warpgroup's 128 columns; dQ = dS K likewise.
+      const uint32_t p_smem = smem + L::kP + (it & 1) * L::kDsBytes;
+      const uint32_t dst_smem = ds_smem(it & 1);
+      WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
-      WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
-    }
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        WgmmaSST<kF16, 0, 1>(dv, MakeDescriptor(p_smem + kk * 32, 16, 1024),
+                             MakeDescriptor(do_smem(s) + 2 * wg * L::kQBlockBytes + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+      }
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
-      WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
-    }
-    WgmmaCommit();
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        WgmmaSST<kF16, 0, 1>(dk, MakeDescriptor(dst_smem + kk * 32, 16, 1024),
+                             MakeDescriptor(q_smem(s) + 2 * wg * L::kQBlockBytes + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+      }
+      float dq[64];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        WgmmaSST<kF16, 1, 1>(dq, MakeDescriptor(dst_smem + kk * 16 * 128, L::kDsBlockBytes, 1024),
+                             MakeDescriptor(k_smem + 2 * wg * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024),
+                             kk > 0);
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegisters(dq);
+      FenceRegisters(dk);
+      FenceRegisters(dv);
+      // Q and dO of this stage are no longer read.
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty(s));
+      add_dq(dq, it, 2 * wg);
+      add_dq(dq + 32, it, 2 * wg + 1);
+    } else {
+      // S^T and dP^T for this warpgroup's 64 keys x the tile's queries.
+      float sc[kBlockM / 2], dp[kBlockM / 2];
+      const auto issue_scores = [&](float (&acc)[kBlockM / 2], uint32_t a_base, uint32_t b_base) {
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          const uint64_t desc_a = MakeDescriptor(a_base + (kk / 4) * L::kKvBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
+          const uint64_t desc_b = MakeDescriptor(b_base + (kk / 4) * L::kQBlockBytes + (kk % 4) * 32, 16, 1024);
+          if constexpr (kBlockM == 64) {
+            WgmmaSST<kF16, 0, 0>(acc, desc_a, desc_b, kk > 0);
+          } else {
+            WgmmaSS<kF16>(acc, desc_a, desc_b, kk > 0);
+          }
+        }
+      };
+      MbarWait(q_full(s), phase);
+      WgmmaFence();
+      issue_scores(sc, k_smem, q_smem(s));
+      WgmmaCommit();
+      MbarWait(do_full(s), phase);
+      issue_scores(dp, v_smem, do_smem(s));
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegisters(sc);
+      FenceRegisters(dp);
 
-    // dQ = dS K for this warpgroup's 64 x 64 block, once both warpgroups stored dS^T.
-    NamedBarrierSync(kBarDsReady, 256);
-    float dq[32];
+      // P^T and dS^T; columns are queries m0 + 8j + 2 t4 + c.
+      const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
+      const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
+      const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+                          n0 < m0 + kBlockM - 1 + offset - p.left;
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_a =
-          MakeDescriptor(ds_smem(it & 1) + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
-      const uint64_t desc_b =
-          MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
-      WgmmaSS64<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
-    }
-    WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegisters(dq);
-    FenceRegisters(dk);
-    FenceRegisters(dv);
-    FenceRegisters(pp);
-    FenceRegisters(pds);
-    // Q and dO of this stage are no longer read.
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty(s));
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
+        const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * j + 2 * r + c;
+            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
+            if (masked && hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c)) sc[i] = dp[i] = 0.0f;
+          }
+        }
+      }
+      uint32_t pp[kBlockM / 4], pds[kBlockM / 4];
+#pragma unroll
+      for (int i = 0; i < kBlockM / 4; ++i) {
+        pp[i] = Pack<kF16>(sc[2 * i], sc[2 * i + 1]);
+        pds[i] = Pack<kF16>(dp[2 * i], dp[2 * i + 1]);
+      }
+      // dS^T into shared memory, [query block][key][64 queries] in the 128-byte swizzle: the
+      // pair (key, queries 8j + 2 t4 + {0, 1}) sits in 16-byte chunk (j % 8) ^ (key % 8), and
+      // key % 8 == g.
+      {
+        uint8_t* ds_base = smem_ptr + L::kDs + (it & 1) * L::kDsBytes;
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int key = key_row + 8 * r;
+            *reinterpret_cast<uint32_t*>(ds_base + (j / 8) * L::kDsBlockBytes + key * 128 + (((j % 8) ^ g) << 4) +
+                                         t4 * 4) = pds[2 * j + r];
+          }
+        }
+      }
+      FenceProxyAsync();
 
-    // Add dQ into its tile in register order: float4 (j, thread) holds accumulator elements
-    // 4j..4j+3, so each warp's reduction covers 512 contiguous bytes.
-    {
-      const int head = kv_head * p.group + it / m_count;
-      const int m_block = m_lo + it % m_count;
-      float* tile = p.dq_accum + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) *
-                                     static_cast<int64_t>(L::kDqFloats) + wg * 4096;
+      // dV += P^T dO, dK += dS^T Q.
+      WgmmaFence();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
+        WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
+        WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+      }
+      WgmmaCommit();
+
+      // dQ = dS K for this warpgroup's 64 x 64 block, once both warpgroups stored dS^T.
+      constexpr int kDqRowBlocks = kBlockM / 64;
+      const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
+      const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
+      NamedBarrierSync(kBarDsReady, 256);
+      float dq[32];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t desc_a =
+            MakeDescriptor(ds_smem(it & 1) + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
+        const uint64_t desc_b =
+            MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
+        WgmmaSST<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegisters(dq);
+      FenceRegisters(dk);
+      FenceRegisters(dv);
+      FenceRegisters(pp);
+      FenceRegisters(pds);
+      // Q and dO of this stage are no longer read.
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty(s));
+      add_dq(dq, it, wg);
     }
   }
 
@@ -419,11 +561,12 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key_row + 8 * r;
     if (key < sk) {
-      const int64_t off = (static_cast<int64_t>(batch) * sk + key) * row_stride + static_cast<int64_t>(kv_head) * kHeadDim + 2 * t4;
+      const int64_t off = (static_cast<int64_t>(batch) * sk + key) * row_stride +
+                          static_cast<int64_t>(kv_head) * kHeadDim + col0 + 2 * t4;
       uint16_t* dk_row = static_cast<uint16_t*>(p.dk) + off;
       uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + off;
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
+      for (int j = 0; j < kAcc / 4; ++j) {
         *reinterpret_cast<uint32_t*>(dk_row + 8 * j) =
             Pack<kF16>(dk[4 * j + 2 * r] * p.dk_scale, dk[4 * j + 2 * r + 1] * p.dk_scale);
         *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = Pack<kF16>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);

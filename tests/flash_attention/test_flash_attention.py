@@ -99,6 +99,11 @@ CASES = [
          head_dim=192, window=(70, 5)),
     Case("tiles_d256_bf16_sinks_gqa", dtype="bfloat16", batch=1, seq_q=200, seq_k=259, q_heads=4, kv_heads=1,
          head_dim=256, sinks=True, causal=True),
+    # The Hopper backward at d=256: 64-key blocks, GQA over several blocks and query tiles.
+    Case("tiles_d256_f16_gqa_sq>sk", dtype="float16", batch=2, seq_q=201, seq_k=150, q_heads=4, kv_heads=2,
+         head_dim=256),
+    Case("tiles_d256_bf16_window_both", dtype="bfloat16", batch=1, seq_q=259, seq_k=259, q_heads=2, kv_heads=1,
+         head_dim=256, window=(70, 9), soft_cap=7.0),
     # 400 keys = two 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow).
     Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=400, q_heads=4, kv_heads=2,
          head_dim=128, sinks=True),

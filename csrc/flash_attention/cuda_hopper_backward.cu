@@ -2,8 +2,9 @@
 // the main one (cuda_hopper_backward.cuh): per-row statistics, the sink gradient and the dQ
 // conversion, tensor maps, dispatch.
 //
-// Scratch (sizes from shapes only): lse2 and delta [B, Hq, padded_q] f32, padded_q = Sq
-// rounded up to the query tile, then the tile-major f32 dQ accumulator.
+// Scratch (sizes from shapes only): lse2 and delta [B, Hq, padded_q] f32, padded_q = Sq (for
+// packed sequences, the packed length) rounded up to the query tile, then the tile-major f32
+// dQ accumulator.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -147,18 +148,25 @@ __device__ __forceinline__ float LoadScalar(const void* base, int dtype, int i) 
 }
 
 // dsoftmax_aux[h] = -sum over rows with finite lse of exp(aux_h - lse_i) * delta_i, in a
-// fixed order (one block per head, fixed per-thread strides, fixed tree).
+// fixed order (one block per head, fixed per-thread strides, fixed tree). Packed sequences:
+// rows outside every sequence are padding, which has no sink.
 __global__ void __launch_bounds__(kSinkThreads) SinkGradKernel(const void* sinks, int sink_dtype, const float* lse,
                                                                const float* delta, float* dsink, int32_t batch,
                                                                int32_t num_q_heads, int32_t seqlen_q,
-                                                               int32_t padded_q) {
+                                                               int32_t padded_q, const int* cu_seqlens_q,
+                                                               int32_t num_sequences) {
   __shared__ float partial[kSinkThreads];
   const int32_t h = blockIdx.x;
   const float aux = LoadScalar(sinks, sink_dtype, h);
+  int32_t begin = 0, end = seqlen_q;
+  if (cu_seqlens_q != nullptr) {
+    begin = min(max(cu_seqlens_q[0], 0), seqlen_q);
+    end = min(max(cu_seqlens_q[num_sequences], begin), seqlen_q);
+  }
   float sum = 0.0f;
   for (int32_t b = 0; b < batch; ++b) {
     const int64_t bh = static_cast<int64_t>(b) * num_q_heads + h;
-    for (int32_t i = threadIdx.x; i < seqlen_q; i += kSinkThreads) {
+    for (int32_t i = begin + threadIdx.x; i < end; i += kSinkThreads) {
       const float l = lse[bh * seqlen_q + i];
       if (l != -INFINITY) sum += expf(aux - l) * delta[bh * padded_q + i];
     }
@@ -249,11 +257,11 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   if (f.mask.present()) return no("mask is not supported");
   if (f.q_segment_ids.present() || f.kv_segment_ids.present()) return no("segment ids are not supported");
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");
-  if (dims.varlen) return no("packed sequences (cu_seqlens) are not supported");
   if (p.deterministic) return no("deterministic mode is not supported");
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
+  if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv}) {
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return no("tensors must be 16-byte aligned");
   }
@@ -298,6 +306,9 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   kp.num_m_blocks = static_cast<int>(sl.num_m_blocks);
   kp.section = 1;
   kp.padded_q = static_cast<int>(sl.padded_q);
+  kp.cu_seqlens_q = d.varlen ? f.cu_seqlens_q.ptr<int>() : nullptr;
+  kp.cu_seqlens_k = d.varlen ? f.cu_seqlens_k.ptr<int>() : nullptr;
+  kp.num_sequences = d.varlen ? static_cast<int>(d.num_sequences) : 0;
   if (f.logits_soft_cap > 0.0f) {
     kp.softcap_pre = f.softmax_scale / f.logits_soft_cap;
     kp.logit_scale = f.logits_soft_cap * kLog2e;
@@ -314,8 +325,17 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   kp.left = static_cast<int>(left);
   kp.right = static_cast<int>(right);
 
-  if (cudaError_t err = cudaMemsetAsync(kp.dq_accum, 0, sl.dq_bytes, stream); err != cudaSuccess) {
-    return Status::Internal(std::string("hopper flash attention backward: memset failed: ") + cudaGetErrorString(err));
+  const auto zero = [&](void* ptr, size_t bytes) {
+    const cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
+    return err == cudaSuccess ? Status::Ok()
+                              : Status::Internal(std::string("hopper flash attention backward: memset failed: ") +
+                                                 cudaGetErrorString(err));
+  };
+  EJK_RETURN_IF_ERROR(zero(kp.dq_accum, sl.dq_bytes));
+  if (d.varlen) {
+    // Keys outside every sequence get no block: their dK and dV are zero.
+    EJK_RETURN_IF_ERROR(zero(p.dk.data, p.dk.SizeBytes()));
+    EJK_RETURN_IF_ERROR(zero(p.dv.data, p.dv.SizeBytes()));
   }
   const int head_dim = static_cast<int>(d.head_dim);
   {
@@ -335,7 +355,8 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   if (p.dsoftmax_aux.present()) {
     SinkGradKernel<<<static_cast<unsigned>(d.num_q_heads), kSinkThreads, 0, stream>>>(
         f.softmax_aux.data, static_cast<int>(f.softmax_aux.dtype), f.lse.ptr<float>(), delta,
-        p.dsoftmax_aux.ptr<float>(), static_cast<int32_t>(d.batch), kp.num_q_heads, kp.seqlen_q, kp.padded_q);
+        p.dsoftmax_aux.ptr<float>(), static_cast<int32_t>(d.batch), kp.num_q_heads, kp.seqlen_q, kp.padded_q,
+        kp.cu_seqlens_q, kp.num_sequences);
     EJK_RETURN_IF_ERROR(LastLaunch("sink gradient"));
   }
   EJK_RETURN_IF_ERROR(LaunchMain(d.head_dim, kp, f16, f.logits_soft_cap > 0.0f, static_cast<int>(d.batch), stream));

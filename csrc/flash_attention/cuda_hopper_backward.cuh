@@ -22,6 +22,16 @@
 // loaded; only tiles on a mask boundary or at the sequence end are masked element-wise.
 // Rows past the sequence come from TMA's zero fill and have lse = +inf (P = 0).
 //
+// Packed sequences (cu_seqlens, batch 1): a block's keys lie in one sequence (sequence n's
+// key blocks are numbered from cu_seqlens_k[n] / kBlockN + n on, which leaves room for each
+// sequence's partial last block; blocks past their sequence's keys exit), masks are local to
+// it, and keys past it (the next sequence's, loaded by TMA) are masked like those past a
+// dense sequence's end. Its query tiles stay the batch row's kBlockM-row tiles, those of the
+// dQ accumulator: a tile on a sequence boundary holds rows of the neighbours or padding, of
+// finite lse, so it is masked element-wise by the sequence's query range too. Those rows
+// receive only zeros, and the keys outside every sequence, which no block owns, have their
+// dK and dV zeroed beforehand.
+//
 // The dQ accumulator is tile-major: [B, Hq, m block] tiles of kBlockM * D floats in the
 // consumers' register order (so that each warp's reductions cover contiguous bytes);
 // cuda_hopper_backward.cu converts it into dq. Reducing from registers rather than through a
@@ -116,6 +126,11 @@ struct KernelParams {
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
   float* dq_accum;
   int seqlen_q, seqlen_k, num_q_heads, num_kv_heads, group, num_m_blocks, padded_q;
+  // Packed sequences (device memory), or null: sequence n holds queries cu_seqlens_q[n] ..
+  // cu_seqlens_q[n + 1] - 1 and keys likewise; seqlen_q/k are then the packed lengths.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int num_sequences;
   // Blocks in sections of `section` (batch, kv head) pairs, key tile major inside a section
   // (see the kernel); 1 is plain (batch, kv head)-major order.
   int section;
@@ -123,7 +138,7 @@ struct KernelParams {
   float logit_scale;  // maps the (capped) score to the log2 domain
   float dk_scale;     // softmax scale
   // Key j is visible to query i iff i + offset - left <= j <= i + offset + right (and j < Sk),
-  // offset = Sk - Sq; left/right are clamped so that the sums stay in int32.
+  // offset = Sk - Sq of the sequence; left/right are clamped so that the sums stay in int32.
   int left, right;
 };
 
@@ -202,6 +217,25 @@ __device__ __forceinline__ void RedAddF32x4(float* addr, float a, float b, float
                : "memory");
 }
 
+// The packed sequence whose key blocks hold block x: the last n with
+// cu_seqlens_k[n] / kBlockN + n <= x (offsets clamped), or 0. A 32-way search by each warp:
+// one round of loads up to 32 sequences, two up to 1024.
+template <int kBlockN>
+__device__ __forceinline__ int FindSequence(const KernelParams& p, int x, int lane) {
+  int lo = 0, count = p.num_sequences;  // the answer is in [lo, lo + count)
+  while (count > 1) {
+    const int step = (count + 31) / 32;
+    const int probe = lane * step;
+    const bool before =
+        probe < count && Clamp(p.cu_seqlens_k[lo + probe], 0, p.seqlen_k) / kBlockN + lo + probe <= x;
+    const unsigned ballot = __ballot_sync(0xffffffffu, before);
+    const int last = ballot != 0 ? 31 - __clz(ballot) : 0;
+    lo += last * step;
+    count = min(step, count - last * step);
+  }
+  return lo;
+}
+
 // Named barriers (0 is __syncthreads).
 constexpr int kBarDsReady = 1;  // both consumer warpgroups stored dS^T (256 threads)
 
@@ -247,13 +281,27 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     kv_head = pair % p.num_kv_heads;
     batch = pair / p.num_kv_heads;
   }
-  const int n0 = n_block * kBlockN;
-  const int sq = p.seqlen_q, sk = p.seqlen_k;
+  // The block's sequence: queries [q_begin, q_begin + sq) and keys [k_begin, k_begin + sk) of
+  // the batch row. Packed sequences: n_block is in FindSequence's numbering; blocks past the
+  // keys of their sequence exit.
+  int q_begin = 0, k_begin = 0, sq = p.seqlen_q, sk = p.seqlen_k;
+  if (p.cu_seqlens_k != nullptr) {
+    const int n = FindSequence<kBlockN>(p, n_block, threadIdx.x % 32);
+    k_begin = Clamp(p.cu_seqlens_k[n], 0, p.seqlen_k);
+    sk = Clamp(p.cu_seqlens_k[n + 1], k_begin, p.seqlen_k) - k_begin;
+    q_begin = Clamp(p.cu_seqlens_q[n], 0, p.seqlen_q);
+    sq = Clamp(p.cu_seqlens_q[n + 1], q_begin, p.seqlen_q) - q_begin;
+    n_block -= k_begin / kBlockN + n;
+    if (n_block < 0 || n_block * kBlockN >= sk) return;
+  }
+  const int n0 = n_block * kBlockN;  // keys and queries from here on are local to the sequence
   const int offset = sk - sq;
-  // Queries that see a key of the block: [q_lo, q_hi).
+  // Queries that see a key of the block: [q_lo, q_hi) of the sequence, q_begin + [q_lo, q_hi)
+  // of the batch row. Query tiles are the batch row's kBlockM-row tiles, those of the dQ
+  // accumulator, so with packed sequences a tile may hold rows of the neighbours.
   const int k_last = min(n0 + kBlockN, sk) - 1;
-  const int q_lo = max(0, n0 - offset - p.right);
-  const int q_hi = min(sq, k_last - offset + p.left + 1);
+  const int q_lo = q_begin + max(0, n0 - offset - p.right);
+  const int q_hi = q_begin + min(sq, k_last - offset + p.left + 1);
   const int m_lo = q_lo / kBlockM;
   const int m_count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - m_lo : 0;
   const int items = m_count * p.group;  // item it: q head kv_head * group + it / m_count, m block m_lo + it % m_count
@@ -283,8 +331,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       MbarExpectTx(kv_full, 2 * L::kKvTileBytes);
 #pragma unroll
       for (int cb = 0; cb < kColBlocks; ++cb) {
-        TmaLoad4d(k_smem + cb * L::kKvBlockBytes, &p.tma_k, kv_full, cb * 64, kv_head, n0, batch);
-        TmaLoad4d(v_smem + cb * L::kKvBlockBytes, &p.tma_v, kv_full, cb * 64, kv_head, n0, batch);
+        TmaLoad4d(k_smem + cb * L::kKvBlockBytes, &p.tma_k, kv_full, cb * 64, kv_head, k_begin + n0, batch);
+        TmaLoad4d(v_smem + cb * L::kKvBlockBytes, &p.tma_v, kv_full, cb * 64, kv_head, k_begin + n0, batch);
       }
       for (int it = 0; it < items; ++it) {
         const int s = it & 1;
@@ -340,11 +388,16 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     dp = ds;
   };
   // Whether key (of the block) is hidden from query (of the tile), for tiles on a mask
-  // boundary or at the sequence end.
+  // boundary, at the sequence end, or holding rows of other sequences (packed sequences: their
+  // lse is finite).
   const int right = offset + p.right, left = offset - p.left;
   const auto hidden = [&](int key, int query) {
-    return (key >= sk) | (key > query + right) | (key < query + left);  // no short circuit: no branches
+    return (key >= sk) | (key > query + right) | (key < query + left) |
+           (static_cast<unsigned>(query) >= static_cast<unsigned>(sq));  // no short circuit: no branches
   };
+  // Tiles reaching past the sequence's queries need the mask with packed sequences only:
+  // elsewhere those rows are padding, with lse = +inf.
+  const int q_fence = p.cu_seqlens_k != nullptr ? sq : p.padded_q;
   // dQ of warpgroup column block b (64 x 64 floats, 4096) into its tile in register order:
   // float4 (j, thread) holds accumulator elements 4j..4j+3, so each warp's reductions cover
   // 512 contiguous bytes.
@@ -361,7 +414,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   for (int it = 0; it < items; ++it) {
     const int s = it & 1;
     const uint32_t phase = (it >> 1) & 1;
-    const int m0 = (m_lo + it % m_count) * kBlockM;
+    const int m0 = (m_lo + it % m_count) * kBlockM - q_begin;  // local to the sequence
     if constexpr (kSplitQueries) {
       // S^T and dP^T for the block's 64 keys x this warpgroup's 32 queries.
       float sc[16], dp[16];
@@ -387,7 +440,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
       const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
-                          n0 < m0 + kBlockM - 1 + offset - p.left;
+                          n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
       // Columns are queries 32 wg + 8j + 2 t4 + c; P^T and dS^T go to [key][64 queries] in the
       // 128-byte swizzle: the pair (key, queries 8 (4 wg + j) + 2 t4 + {0, 1}) sits in 16-byte
       // chunk (4 wg + j) ^ (key % 8), and key % 8 == g.
@@ -475,7 +528,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
       const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
-                          n0 < m0 + kBlockM - 1 + offset - p.left;
+                          n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
@@ -561,7 +614,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key_row + 8 * r;
     if (key < sk) {
-      const int64_t off = (static_cast<int64_t>(batch) * sk + key) * row_stride +
+      const int64_t off = (static_cast<int64_t>(batch) * p.seqlen_k + k_begin + key) * row_stride +
                           static_cast<int64_t>(kv_head) * kHeadDim + col0 + 2 * t4;
       uint16_t* dk_row = static_cast<uint16_t*>(p.dk) + off;
       uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + off;
@@ -587,7 +640,10 @@ Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
     return Status::Internal(std::string("hopper flash attention backward: shared memory attribute: ") +
                             cudaGetErrorString(err));
   }
-  const dim3 grid((kp.seqlen_k + L::kBlockN - 1) / L::kBlockN, kp.num_kv_heads, batch);
+  // Packed sequences: the kernel's numbering ends before seqlen_k / kBlockN + num_sequences.
+  const int n_blocks = kp.cu_seqlens_k != nullptr ? kp.seqlen_k / L::kBlockN + kp.num_sequences
+                                                  : (kp.seqlen_k + L::kBlockN - 1) / L::kBlockN;
+  const dim3 grid(n_blocks, kp.num_kv_heads, batch);
   // Keys hidden from earlier queries (causal-like masks) give the key tiles decreasing
   // lengths: sections of 4 pairs end the grid evenly (a list-scheduling model: 88% -> 99.7%
   // of the SMs busy for GQA 32/8 at 4 x 4096). Equal tiles keep the plain order.

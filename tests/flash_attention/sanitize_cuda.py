@@ -34,13 +34,15 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (128, 131, 200), (256, 70, 135)):
         jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
         calls += 2
 
-    cu = jnp.array([0, 0, 1, 20, 30], jnp.int32)
-    cu_k = jnp.array([0, 3, 3, 25, 40], jnp.int32)
+    # Packed sequences with padding rows and keys; query tiles shared by the sequences.
+    cu = jnp.array([0, 0, 1, 20, seq_q - 5], jnp.int32)
+    cu_k = jnp.array([0, 3, 3, 25, seq_k - 5], jnp.int32)
 
     def varlen_loss(q, k, v):
-        out = flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu_k, platform="cuda")
+        out = flash_attention(q, k, v, causal=True, softmax_aux=aux, cum_seqlens_q=cu, cum_seqlens_k=cu_k,
+                              platform="cuda")
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1, :31], k[:1, :40], v[:1, :40]))
+    jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))
     calls += 1
 print("sanitize_cuda: ran", calls, "calls")

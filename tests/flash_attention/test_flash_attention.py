@@ -18,9 +18,14 @@ from jax.sharding import PartitionSpec as P
 
 from reference import attention_reference, dropout_keep_mask, dropout_threshold, fmix32, reference_grads
 
-# Packed sequences, as (q, k) lengths: (20, 30), (0, 7), (1, 1), (9, 0), (20, 22); then
-# padding rows 50..56 and padding keys 60..63.
-VARLEN = (np.array([0, 20, 20, 21, 30, 50], np.int32), np.array([0, 30, 37, 38, 38, 60], np.int32), 57, 64)
+# Packed sequences, as (cum_seqlens_q, cum_seqlens_k, packed rows, packed keys).
+# (q, k) lengths (20, 30), (0, 7), (1, 1), (9, 0), (20, 22); then padding rows 50..56 and
+# padding keys 60..63.
+VARLEN = ((0, 20, 20, 21, 30, 50), (0, 30, 37, 38, 38, 60), 57, 64)
+# Several tiles of the CUDA kernels per sequence, tiles shared by neighbours: (q, k) lengths
+# (150, 200), (0, 5), (1, 1), (77, 0), (260, 300); then padding rows 488..499 and padding
+# keys 506..519.
+VARLEN_TILES = ((0, 150, 150, 151, 228, 488), (0, 200, 205, 206, 206, 506), 500, 520)
 
 DIFFERENTIABLE = ("query", "key", "value", "bias", "softmax_aux")
 
@@ -43,7 +48,7 @@ class Case:
     bias_dtype: str | None = None  # default: the input dtype
     mask: str | None = None  # broadcast form, like bias
     segments: bool = False
-    varlen: bool = False
+    varlen: tuple | None = None  # a packed layout: VARLEN or VARLEN_TILES
     dropout: float = 0.0
     deterministic: bool = False
 
@@ -55,7 +60,7 @@ class Case:
             "softmax_aux": self.sinks,
             "bias": self.bias is not None,
             "attention_mask": self.mask is not None,
-            "cum_seqlens": self.varlen,
+            "cum_seqlens": self.varlen is not None,
             "segment_ids": self.segments,
             "dropout": self.dropout > 0,
             "gqa": self.q_heads != self.kv_heads,
@@ -86,12 +91,12 @@ CASES = [
     Case("mask_BH", mask="BH"),
     Case("mask_11_f16_gqa4", mask="11", dtype="float16", kv_heads=1),
     Case("segments", segments=True),
-    Case("varlen", varlen=True),
+    Case("varlen", varlen=VARLEN),
     Case("dropout", dropout=0.3),
     Case("dropout_causal_bias_gqa4", dropout=0.2, causal=True, bias="1H", kv_heads=1),
     Case("everything_bf16", dtype="bfloat16", causal=True, window=(40, -1), soft_cap=6.0, sinks=True,
          bias="B1", mask="1H", segments=True, dropout=0.1, seq_q=70, seq_k=90),
-    Case("everything_varlen", varlen=True, causal=True, window=(12, 2), soft_cap=5.0, sinks=True,
+    Case("everything_varlen", varlen=VARLEN, causal=True, window=(12, 2), soft_cap=5.0, sinks=True,
          bias="1H", mask="11", dropout=0.15, kv_heads=1),
     # Several tiles of the CUDA kernels (128 x 64 and up), odd lengths, every head dim.
     Case("tiles_causal_d96_sq<sk", dtype="bfloat16", batch=1, seq_q=300, seq_k=517, q_heads=2, kv_heads=1, head_dim=96, causal=True),
@@ -107,6 +112,18 @@ CASES = [
     # 400 keys = two 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow).
     Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=400, q_heads=4, kv_heads=2,
          head_dim=128, sinks=True),
+    # Packed sequences on the Hopper backward: query tiles shared by neighbouring sequences,
+    # partial key blocks, keys or queries of a sequence alone, padding rows and keys.
+    Case("varlen_tiles_causal_bf16_d128_gqa", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4, kv_heads=2,
+         head_dim=128, causal=True),
+    Case("varlen_tiles_f16_d128_sinks", dtype="float16", varlen=VARLEN_TILES, q_heads=2, kv_heads=2, head_dim=128,
+         sinks=True),
+    Case("varlen_tiles_window_bf16_d256_gqa_sinks", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4, kv_heads=1,
+         head_dim=256, window=(90, 20), sinks=True),
+    Case("varlen_tiles_causal_f16_d256_soft_cap", dtype="float16", varlen=VARLEN_TILES, q_heads=2, kv_heads=2,
+         head_dim=256, causal=True, soft_cap=6.0),
+    Case("varlen_tiles_window_bf16_d64_gqa", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4, kv_heads=2,
+         window=(-1, 30)),
     Case("tiles_d128_deterministic", dtype="bfloat16", batch=2, seq_q=257, seq_k=190, q_heads=4, kv_heads=2,
          head_dim=128, bias="1H", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
@@ -118,8 +135,8 @@ def make_inputs(case: Case, rng: np.random.Generator):
     """(q, k, v, arrays, static): arrays holds the optional operands that are present."""
     dtype = jnp.dtype(case.dtype)
     batch, seq_q, seq_k = case.batch, case.seq_q, case.seq_k
-    if case.varlen:
-        batch, seq_q, seq_k = 1, VARLEN[2], VARLEN[3]
+    if case.varlen is not None:
+        batch, seq_q, seq_k = 1, case.varlen[2], case.varlen[3]
 
     def normal(*shape, scale=1.0, dt=dtype):
         return jnp.asarray(rng.standard_normal(shape) * scale, dt)
@@ -140,8 +157,8 @@ def make_inputs(case: Case, rng: np.random.Generator):
         arrays["attention_mask"] = jnp.asarray(mask)
     if case.sinks:
         arrays["softmax_aux"] = normal(case.q_heads, dt=jnp.float32)
-    if case.varlen:
-        arrays["cum_seqlens_q"], arrays["cum_seqlens_k"] = jnp.asarray(VARLEN[0]), jnp.asarray(VARLEN[1])
+    if case.varlen is not None:
+        arrays["cum_seqlens_q"], arrays["cum_seqlens_k"] = (jnp.asarray(cu, jnp.int32) for cu in case.varlen[:2])
     if case.segments:
         # Segment 2 has queries but no keys, so its rows see nothing.
         arrays["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (batch, seq_q)), axis=1), jnp.int32)

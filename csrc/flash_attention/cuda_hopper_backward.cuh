@@ -493,7 +493,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       FenceRegisters(dq);
       FenceRegisters(dk);
       FenceRegisters(dv);
-      // Q and dO of this stage are no longer read.
+      // Q, dO, lse and D of this stage are no longer read. The proxy fence orders this warp's
+      // reads of lse and D (generic proxy) before the bulk copies that refill the stage.
+      FenceProxyAsync();
       __syncwarp();
       if (lane == 0) MbarArrive(empty(s));
       add_dq(dq, it, 2 * wg);
@@ -601,7 +603,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       FenceRegisters(dv);
       FenceRegisters(pp);
       FenceRegisters(pds);
-      // Q and dO of this stage are no longer read.
+      // Q, dO, lse and D of this stage are no longer read. The proxy fence orders this warp's
+      // reads of lse and D (generic proxy) before the bulk copies that refill the stage.
+      FenceProxyAsync();
       __syncwarp();
       if (lane == 0) MbarArrive(empty(s));
       add_dq(dq, it, wg);

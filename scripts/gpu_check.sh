@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU test suite, for a machine with an NVIDIA GPU: builds ejkernel with its CUDA kernels,
 # prints the build, runs the flash attention and paged attention tests on the GPU (the CUDA
-# kernels against float64 references, plus XLA on the GPU), then compute-sanitizer memcheck
-# and racecheck on small shapes. Logs go to $OUT (default /tmp/ejkernel-gpu).
+# kernels against float64 references, plus XLA on the GPU) and a scan of the kernels' machine
+# code for a known ptxas miscompile, then compute-sanitizer memcheck and racecheck on small
+# shapes. Logs go to $OUT (default /tmp/ejkernel-gpu).
 #   EJKERNEL_CUDA_ARCHS=90a   architectures to build (default: 90a, the H100's)
 #   GPU_CHECK_SKIP_BUILD=1    reuse the installed build
 set -uo pipefail
@@ -24,7 +25,7 @@ if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
 fi
 "$PYTHON" -X faulthandler -m ejkernel 2>&1 | tee "$OUT/info.txt"
 
-"$PYTHON" -m pytest -q -p no:cacheprovider -n 8 tests/flash_attention tests/paged_attention \
+"$PYTHON" -m pytest -q -p no:cacheprovider -n 8 tests/flash_attention tests/paged_attention tests/runtime \
   -k "${GPU_CHECK_TESTS:-cuda or xla}" 2>&1 | tee "$OUT/tests.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 

@@ -43,6 +43,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cuda/atomic>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -457,28 +459,42 @@ __device__ __forceinline__ void MergeSplitsSmall(const Args& a, int tile_rows, I
   const int64_t stride = a.num_tokens * a.num_q_heads;
   const int units = tile_rows * kCol4;  // float4s per split
   const int per_round = min(splits, buf_floats / (units * 4));
-  __shared__ int64_t s_item[kSmallRows];
-  if (tid < tile_rows) s_item[tid] = item(tid);
-  __syncthreads();
+  // Each thread copies the same float4s (units tid + k * kThreads) of every split: no index
+  // division in the copy loop, which runs on the kernel's critical path.
+  int64_t unit_index[kUnits];  // element index of the unit's first value in out (and in a split's partials)
+#pragma unroll
+  for (int k = 0; k < kUnits; ++k) {
+    const int c = tid + k * kThreads;
+    unit_index[k] = c < units ? item(c / kCol4) * kD + (c % kCol4) * 4 : 0;
+  }
   auto issue = [&](int sp0) {
     const int n = min(per_round, splits - sp0);
-    for (int i = tid; i < n * units; i += kThreads) {
-      const int sp = i / units, c = i % units;
-      const float* src = a.partial_o + ((sp0 + sp) * stride + s_item[c / kCol4]) * kD + (c % kCol4) * 4;
-      cu::CpAsync16(s_buf + i * 4, src, true);
+#pragma unroll
+    for (int k = 0; k < kUnits; ++k) {
+      const int c = tid + k * kThreads;
+      if (c < units) {
+        const float* src = a.partial_o + unit_index[k] + sp0 * stride * kD;
+        for (int sp = 0; sp < n; ++sp) cu::CpAsync16(s_buf + (sp * units + c) * 4, src + sp * stride * kD, true);
+      }
     }
     cu::CpAsyncCommit();
   };
-  issue(0);
+  // Each warp requests its first row's (max, sum) of every split before the partials, so
+  // that both are one round trip (decode tiles have at most one row per warp).
   const float2* ml = reinterpret_cast<const float2*>(a.partial_ml);
   constexpr int kSplitRegs = kMaxCudaSplits / 32;
-  for (int r = warp; r < tile_rows; r += kThreads / 32) {
-    float2 x[kSplitRegs];
+  auto load_ml = [&](int r, float2(&x)[kSplitRegs]) {
 #pragma unroll
     for (int j = 0; j < kSplitRegs; ++j) {
       const int sp = lane + 32 * j;
-      x[j] = sp < splits ? __ldcg(ml + sp * stride + s_item[r]) : make_float2(-INFINITY, 0.0f);
+      x[j] = sp < splits ? __ldcg(ml + sp * stride + item(r)) : make_float2(-INFINITY, 0.0f);
     }
+  };
+  float2 x[kSplitRegs];
+  if (warp < tile_rows) load_ml(warp, x);
+  issue(0);
+  for (int r = warp; r < tile_rows; r += kThreads / 32) {
+    if (r != warp) load_ml(r, x);
     float w[kSplitRegs];
     SplitWeights(x, w);
 #pragma unroll
@@ -499,6 +515,7 @@ __device__ __forceinline__ void MergeSplitsSmall(const Args& a, int tile_rows, I
       const int c = tid + k * kThreads;
       if (c < units) {
         const float* w = s_weight + (c / kCol4) * splits + sp0;
+#pragma unroll 8
         for (int sp = 0; sp < n; ++sp) {
           const float4 x = reinterpret_cast<const float4*>(s_buf)[sp * units + c];
           acc[k].x += w[sp] * x.x; acc[k].y += w[sp] * x.y; acc[k].z += w[sp] * x.z; acc[k].w += w[sp] * x.w;
@@ -511,7 +528,7 @@ __device__ __forceinline__ void MergeSplitsSmall(const Args& a, int tile_rows, I
 #pragma unroll
   for (int k = 0; k < kUnits; ++k) {
     const int c = tid + k * kThreads;
-    if (c < units) StoreOut4(a, s_item[c / kCol4] * kD + (c % kCol4) * 4, acc[k]);
+    if (c < units) StoreOut4(a, unit_index[k], acc[k]);
   }
 }
 
@@ -678,11 +695,21 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   // Pipeline prologue: kStages - 1 blocks in flight, page ids of the next one requested.
-#pragma unroll
-  for (int b = 0; b < Stage::kStages - 1; ++b) {
+  // Rolled up: every block runs this code cold, and instruction fetch misses are most of a
+  // decode call's start-up, so it should be short. (Not for fp8 caches: there ptxas of CUDA
+  // 13.0 then encodes some copies with an odd uniform descriptor register, an illegal
+  // instruction; tests/runtime/test_cuda_sass.py checks the built library for that.)
+  auto prologue_block = [&](int b) {
     if constexpr (kPrefetchPages) fetch_pages(b);
     issue_copies(b);
     cu::CpAsyncCommit();
+  };
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int b = 0; b < Stage::kStages - 1; ++b) prologue_block(b);
+  } else {
+#pragma unroll 1
+    for (int b = 0; b < Stage::kStages - 1; ++b) prologue_block(b);
   }
   if constexpr (kPrefetchPages) fetch_pages(Stage::kStages - 1);
   // Q tile -> shared memory as Elem (rows past the tile zero) while the first blocks load.
@@ -947,23 +974,31 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   if constexpr (kD <= kMaxFusedHeadDim) {
     if (!split_mode || !a.dynamic_splits) return;
     static_assert(Layout::kBytes - Layout::kQBytes >= kLargeRows * kMaxCudaSplits * 4, "merge weights");
-    // The last split of the tile to get here merges: partials fenced before the count, read
-    // after it.
-    __shared__ bool s_last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(counters() + 1, 1u) == static_cast<unsigned int>(a.num_splits - 1);
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    // The last split of the tile to get here merges. The barrier orders the block's partial
+    // writes before thread 0's count, whose release publishes them and whose acquire (in
+    // the last split) orders the merge's reads after every other split's count.
     auto item = [&](int r) {
       const int64_t fr = row0 + r;
       return (s.q_begin + fr / G) * a.num_q_heads + kv_head * G + fr % G;
     };
+    // Small tiles look their rows' (token, q head) up before the count: the 64-bit
+    // divisions stay off the merge's critical path.
+    __shared__ int64_t s_item[kRows <= kSmallRows ? kSmallRows : 1];
+    if constexpr (kRows <= kSmallRows) {
+      if (tid < tile_rows) s_item[tid] = item(tid);
+    }
+    __shared__ bool s_last;
+    __syncthreads();
+    if (tid == 0) {
+      ::cuda::atomic_ref<unsigned int, ::cuda::thread_scope_device> finished(counters()[1]);
+      s_last = finished.fetch_add(1u, ::cuda::memory_order_acq_rel) == static_cast<unsigned int>(a.num_splits - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
     if constexpr (kRows <= kSmallRows) {
       static_assert(Layout::kQBytes >= kSmallRows * kMaxCudaSplits * 4, "merge weights");
-      MergeSplitsSmall<kD>(a, static_cast<int>(tile_rows), item, reinterpret_cast<float*>(s_q), s_epi,
-                           (Layout::kBytes - Layout::kQBytes) / 4);
+      MergeSplitsSmall<kD>(a, static_cast<int>(tile_rows), [&](int r) { return s_item[r]; },
+                           reinterpret_cast<float*>(s_q), s_epi, (Layout::kBytes - Layout::kQBytes) / 4);
     } else {
       MergeSplits<kD>(a, static_cast<int>(tile_rows), item, s_epi);
     }

@@ -72,6 +72,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.q, block_m, "query", &kp->tma_q));
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.k, block_n, "key", &kp->tma_k));
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.v, block_n, "value", &kp->tma_v));
+  EJK_RETURN_IF_ERROR(MakeTensorMap(p.out, 64, "output", &kp->tma_out));
   kp->out = p.out.data;
   kp->lse = p.lse.present() ? p.lse.ptr<float>() : nullptr;
   kp->sinks = p.softmax_aux.present() ? p.softmax_aux.data : nullptr;

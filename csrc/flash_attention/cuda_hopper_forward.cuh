@@ -9,7 +9,9 @@
 // Overlap: inside a consumer, S for the next key tile and P V for the current one are in
 // flight while the softmax runs; across consumers, named barriers make the warpgroups take
 // turns issuing their products so that one's softmax hides behind another's wgmma.
-// Registers move from the producer to the consumers with setmaxnreg.
+// Registers move from the producer to the consumers with setmaxnreg. Where shared memory holds
+// two Q slots, the next tile's Q loads during the current one and O leaves through the
+// finished tile's slot as a bulk tensor store.
 //
 // Key tiles are visited from the last to the first, so the tiles that need masking (the
 // sequence end, the causal diagonal) come first; tiles that the causal/window masks hide
@@ -87,14 +89,20 @@ struct SmemLayout {
                                                 : (65536 / 128 - kProducerRegisters) / kWarpgroups / 8 * 8;
   static constexpr int kColBlocks = kHeadDim / 64;
   static constexpr int kQBlockBytes = kBlockM * 128;  // one 64-column block of Q
+  static constexpr int kQTileBytes = kColBlocks * kQBlockBytes;
   static constexpr int kKvBlockBytes = kBlockN * 128;
   static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
+  static constexpr int kKvBytes = 2 * kStages * kKvTileBytes;
+  static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
+  // Two Q slots where shared memory allows: the next tile's Q loads during the current tile,
+  // and a finished tile's slot stages its O for a bulk tensor store.
+  static constexpr int kQStages = 2 * kQTileBytes + kKvBytes + kBarrierBytes + 1024 <= 232448 ? 2 : 1;
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kColBlocks * kQBlockBytes;
+  static constexpr int kKOffset = kQStages * kQTileBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvTileBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvTileBytes;
-  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage.
-  static constexpr int kBytes = kBarrierOffset + 8 * (2 + 4 * kStages);
+  // q_full, q_empty per Q slot (two, used or not), then k_full, k_empty, v_full, v_empty per stage.
+  static constexpr int kBytes = kBarrierOffset + kBarrierBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "tile");
   static_assert(kAllocBytes <= 232448, "shared memory");
@@ -103,6 +111,7 @@ struct SmemLayout {
 // Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
 struct KernelParams {
   CUtensorMap tma_q, tma_k, tma_v;
+  CUtensorMap tma_out;  // boxes of 64 rows: each consumer warpgroup stores its own rows
   void* out;
   float* lse;
   const void* sinks;  // [Hq], any float dtype, or null
@@ -165,6 +174,25 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, 
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+}
+
+// Shared -> global bulk tensor copy (rows outside the tensor are dropped), in this thread's
+// bulk group; BulkWaitRead waits until its groups have read their shared memory.
+__device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void BulkWaitRead() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void BulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Orders this thread's generic shared-memory writes before later async-proxy (TMA) reads.
+__device__ __forceinline__ void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void MbarArriveCount(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
 __device__ __forceinline__ void PrefetchTmaDescriptor(const CUtensorMap* map) {
@@ -498,19 +526,24 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t q_smem = smem + L::kQOffset;
+  constexpr int kQStages = L::kQStages;
+  const auto q_smem = [&](int slot) { return smem + L::kQOffset + slot * L::kQTileBytes; };
   const uint32_t k_smem = smem + L::kKOffset;
   const uint32_t v_smem = smem + L::kVOffset;
-  const uint32_t q_full = smem + L::kBarrierOffset;
-  const uint32_t q_empty = q_full + 8;
-  const auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
-  const auto k_empty = [&](int s) { return q_full + 8 * (2 + kStages + s); };
-  const auto v_full = [&](int s) { return q_full + 8 * (2 + 2 * kStages + s); };
-  const auto v_empty = [&](int s) { return q_full + 8 * (2 + 3 * kStages + s); };
+  const uint32_t barriers = smem + L::kBarrierOffset;
+  const auto q_full = [&](int slot) { return barriers + 8 * slot; };
+  const auto q_empty = [&](int slot) { return barriers + 8 * (2 + slot); };
+  const auto k_full = [&](int s) { return barriers + 8 * (4 + s); };
+  const auto k_empty = [&](int s) { return barriers + 8 * (4 + kStages + s); };
+  const auto v_full = [&](int s) { return barriers + 8 * (4 + 2 * kStages + s); };
+  const auto v_empty = [&](int s) { return barriers + 8 * (4 + 3 * kStages + s); };
 
   if (threadIdx.x == 0) {
-    MbarInit(q_full, 1);
-    MbarInit(q_empty, 4 * kWarpgroups);  // one arrival per consumer warp
+#pragma unroll
+    for (int slot = 0; slot < kQStages; ++slot) {
+      MbarInit(q_full(slot), 1);
+      MbarInit(q_empty(slot), 4 * kWarpgroups);  // one arrival per consumer warp
+    }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       MbarInit(k_full(s), 1);
@@ -522,6 +555,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     PrefetchTmaDescriptor(&p.tma_q);
     PrefetchTmaDescriptor(&p.tma_k);
     PrefetchTmaDescriptor(&p.tma_v);
+    if constexpr (kQStages == 2) PrefetchTmaDescriptor(&p.tma_out);
   }
   __syncthreads();
 
@@ -544,12 +578,14 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           q_iter += t.n_count > 0;
           continue;
         }
-        MbarWait(q_empty, (q_iter & 1) ^ 1);
+        const int q_slot = q_iter % kQStages;
+        MbarWait(q_empty(q_slot), ((q_iter / kQStages) & 1) ^ 1);
         ++q_iter;
-        MbarExpectTx(q_full, kColBlocks * L::kQBlockBytes);
+        MbarExpectTx(q_full(q_slot), L::kQTileBytes);
 #pragma unroll
         for (int b = 0; b < kColBlocks; ++b) {
-          TmaLoad4d(q_smem + b * L::kQBlockBytes, &p.tma_q, q_full, b * 64, head, t.q_begin + t.m0, batch);
+          TmaLoad4d(q_smem(q_slot) + b * L::kQBlockBytes, &p.tma_q, q_full(q_slot), b * 64, head, t.q_begin + t.m0,
+                    batch);
         }
         const int kv_head = head / p.head_ratio;
         for (int it = 0; it < t.n_count; ++it, ++kv_iter) {
@@ -591,11 +627,23 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     if (lane == 0) MbarArrive(bar);
   };
 
+  // With two Q slots and dense rows, O leaves through the tile's Q slot: the warpgroup writes
+  // its rows there and one thread issues a bulk tensor store (rows past the sequence are
+  // dropped by the tensor map's bounds), instead of ~32 scattered 4-byte global stores per
+  // thread that held the consumers ~2.5 us per tile (H100). The slot goes back to the
+  // producer at the warpgroup's next tile, once the store has read it. Packed sequences store
+  // from registers: a tensor map cannot stop at a sequence's end.
+  const bool stage_out = kQStages == 2 && p.cu_seqlens_q == nullptr;
+  const bool store_issuer = threadIdx.x % 128 == 0;
+  const int store_barrier = 1 + kWarpgroups + wg;
+  int pending_slot = -1;  // the Q slot of this warpgroup's last staged store, not yet handed back
+
   int kv_iter = 0, q_iter = 0;
   for (int round = 0;; ++round) {
     const int tile = ScheduledTile(round, num_tiles);
     if (tile < 0) break;
     const Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+    int q_slot = -1;  // this tile's Q slot, if it has key tiles
     // Accumulator fragment (per warp 16 rows): element 4j + 2r + c is row g + 8r, column 8j + 2t + c.
     const int row0 = tl.m0 + wg * 64 + warp * 16 + lane / 4;
 
@@ -619,6 +667,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     if (tl.n_count > 0) {
       float s[kBlockN / 2];
       uint32_t pr[kBlockN / 4];
+      q_slot = q_iter % kQStages;
+      const uint32_t q_tile = q_smem(q_slot);
 
       // S = Q K^T of one key tile. partial: the sequence's last key tile (visited first) when it
       // holds at most kPartialN keys: S over its first kPartialN columns only (the mask hides
@@ -629,7 +679,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint64_t desc_a =
-              MakeDescriptor(q_smem + (kk / 4) * L::kQBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
+              MakeDescriptor(q_tile + (kk / 4) * L::kQBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
           const uint64_t desc_b =
               MakeDescriptor(k_smem + stage * L::kKvTileBytes + (kk / 4) * L::kKvBlockBytes + (kk % 4) * 32, 16, 1024);
           if (partial) {
@@ -716,7 +766,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       };
 
       if (wg == kWarpgroups - 1) NamedBarrierArrive(next_barrier, 256);
-      MbarWait(q_full, q_iter & 1);
+      MbarWait(q_full(q_slot), (q_iter / kQStages) & 1);
 
       float correction[2];
       int stage = kv_iter % kStages;
@@ -737,6 +787,13 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       }
       FenceRegisters(s);
       release(k_empty(stage));
+      if (pending_slot >= 0) {  // issued a tile ago: the wait rarely waits
+        if (store_issuer) {
+          BulkWaitRead();
+          MbarArriveCount(q_empty(pending_slot), 4);  // for the warpgroup's four warps
+        }
+        pending_slot = -1;
+      }
       softmax(tl.n_end - 1, correction);
       convert();
 
@@ -778,8 +835,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       }
       for (int it = 2; it < tl.n_count; ++it) step(it, false);
 
-      // Q is no longer read: the producer may load the next tile's.
-      release(q_empty);
+      // Q is no longer read: the producer may load the next tile's (unless O leaves through it).
+      if (!stage_out) release(q_empty(q_slot));
       MbarWait(v_full(stage), ((kv_iter + tl.n_count - 1) / kStages) & 1);
       NamedBarrierSync(own_barrier, 256);
       FenceRegisters(pr);
@@ -806,6 +863,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     // Epilogue: normalise, store O (rows past the sequence are skipped) and the log-sum-exp.
     int head, batch;
     TileHead(p, tile, &head, &batch);
+    const bool staged = stage_out && q_slot >= 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float sum = row_sum[r];
@@ -813,7 +871,19 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int row = row0 + 8 * r;
-      if (row < tl.q_len) {
+      if (staged) {
+        // The Q slot's layout (64-column blocks of 128-byte rows, 128-byte swizzle), as the
+        // tensor map reads it; a warp's eight rows per store cover all 32 banks.
+        const int local_row = row - tl.m0;
+        const uint32_t base = q_smem(q_slot) + local_row * 128 + 4 * t4;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          const uint32_t addr = base + (j / 8) * L::kQBlockBytes + (((j % 8) ^ (local_row % 8)) * 16);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
+                       "r"(Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv))
+                       : "memory");
+        }
+      } else if (row < tl.q_len) {
         uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
                         static_cast<int64_t>(tl.q_begin + row) * p.out_row_stride +
                         static_cast<int64_t>(head) * kHeadDim + 2 * t4;
@@ -822,13 +892,28 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           *reinterpret_cast<uint32_t*>(out + 8 * j) =
               Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         }
-        if (t4 == 0 && p.lse != nullptr) {
-          p.lse[(static_cast<int64_t>(batch) * p.num_q_heads + head) * p.seqlen_q + tl.q_begin + row] =
-              sum > 0.0f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
-        }
+      }
+      if (row < tl.q_len && t4 == 0 && p.lse != nullptr) {
+        p.lse[(static_cast<int64_t>(batch) * p.num_q_heads + head) * p.seqlen_q + tl.q_begin + row] =
+            sum > 0.0f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
       }
     }
+    if (staged) {
+      FenceProxyAsyncShared();
+      NamedBarrierSync(store_barrier, 128);
+      const int first_row = tl.m0 + wg * 64;
+      if (store_issuer && first_row < tl.q_len) {
+#pragma unroll
+        for (int b = 0; b < kColBlocks; ++b) {
+          TmaStore4d(&p.tma_out, q_smem(q_slot) + b * L::kQBlockBytes + wg * 64 * 128, b * 64, head, first_row, batch);
+        }
+        BulkCommit();
+      }
+      pending_slot = q_slot;
+    }
   }
+  // Shared memory must outlive the last store's reads.
+  if (store_issuer) BulkWaitAll();
 #elif defined(__CUDA_ARCH__)
   __trap();  // a build without sm_90a code must fail loudly, not leave the outputs unwritten
 #endif  // EJK_HOPPER_DEVICE_CODE

@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     for (int s = 0; s < 2; ++s) {
       MbarInit(q_full(s), 1);
       MbarInit(do_full(s), 1);
-      MbarInit(empty(s), 8);  // one arrival per consumer warp
+      MbarInit(empty(s), 256);  // one arrival per consumer thread
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     PrefetchTmaDescriptor(&p.tma_q);
@@ -493,11 +493,11 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       FenceRegisters(dq);
       FenceRegisters(dk);
       FenceRegisters(dv);
-      // Q, dO, lse and D of this stage are no longer read. The proxy fence orders this warp's
-      // reads of lse and D (generic proxy) before the bulk copies that refill the stage.
+      // Q, dO, lse and D of this stage are no longer read. Each thread fences its own reads of
+      // lse and D (generic proxy) before the bulk copies that refill the stage and arrives
+      // itself: a warp-level handoff left racecheck reporting these reads in some runs.
       FenceProxyAsync();
-      __syncwarp();
-      if (lane == 0) MbarArrive(empty(s));
+      MbarArrive(empty(s));
       add_dq(dq, it, 2 * wg);
       add_dq(dq + 32, it, 2 * wg + 1);
     } else {
@@ -603,11 +603,11 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       FenceRegisters(dv);
       FenceRegisters(pp);
       FenceRegisters(pds);
-      // Q, dO, lse and D of this stage are no longer read. The proxy fence orders this warp's
-      // reads of lse and D (generic proxy) before the bulk copies that refill the stage.
+      // Q, dO, lse and D of this stage are no longer read. Each thread fences its own reads of
+      // lse and D (generic proxy) before the bulk copies that refill the stage and arrives
+      // itself: a warp-level handoff left racecheck reporting these reads in some runs.
       FenceProxyAsync();
-      __syncwarp();
-      if (lane == 0) MbarArrive(empty(s));
+      MbarArrive(empty(s));
       add_dq(dq, it, wg);
     }
   }

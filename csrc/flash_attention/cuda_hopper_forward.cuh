@@ -100,7 +100,15 @@ struct SmemLayout {
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQStages * kQTileBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvTileBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * kKvTileBytes;
+  // With one Q slot, O goes through a 16-row x 128-byte tile per consumer warp where that
+  // fits (176-key tiles at d128). With two, dense O leaves through the Q slot, and the code
+  // for this path, unused there but for packed sequences, measured ~1% slower (code size).
+  static constexpr int kWarpStoreBytes = 16 * 128;
+  static constexpr bool kWarpStaging = kQStages == 1 && kVOffset + kStages * kKvTileBytes +
+                                                            4 * kWarpgroups * kWarpStoreBytes + kBarrierBytes + 1024 <=
+                                                        232448;
+  static constexpr int kWarpStoreOffset = kVOffset + kStages * kKvTileBytes;
+  static constexpr int kBarrierOffset = kWarpStoreOffset + (kWarpStaging ? 4 * kWarpgroups * kWarpStoreBytes : 0);
   // q_full, q_empty per Q slot (two, used or not), then k_full, k_empty, v_full, v_empty per stage.
   static constexpr int kBytes = kBarrierOffset + kBarrierBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
@@ -883,6 +891,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
                        "r"(Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv))
                        : "memory");
         }
+      } else if constexpr (L::kWarpStaging) {
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) o[4 * j + 2 * r] *= inv, o[4 * j + 2 * r + 1] *= inv;
       } else if (row < tl.q_len) {
         uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
                         static_cast<int64_t>(tl.q_begin + row) * p.out_row_stride +
@@ -896,6 +907,46 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       if (row < tl.q_len && t4 == 0 && p.lse != nullptr) {
         p.lse[(static_cast<int64_t>(batch) * p.num_q_heads + head) * p.seqlen_q + tl.q_begin + row] =
             sum > 0.0f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+    if constexpr (L::kWarpStaging) {
+      if (!staged) {
+        // Each warp passes its 16 rows through its shared tile, 64 columns at a time, and
+        // writes them back as 16-byte stores, each instruction four full 128-byte row
+        // segments, instead of 4-byte stores touching 8 rows each.
+        const uint32_t tile_smem = smem + L::kWarpStoreOffset + (wg * 4 + warp) * L::kWarpStoreBytes;
+        const int warp_row = tl.m0 + wg * 64 + warp * 16;  // first of the warp's rows
+        uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
+                        static_cast<int64_t>(head) * kHeadDim;
+#pragma unroll
+        for (int b = 0; b < kColBlocks; ++b) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = lane / 4 + 8 * r;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const int jj = 8 * b + j;
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile_smem + row * 128 + ((j ^ (row % 8)) * 16) + 4 * t4),
+                           "r"(Pack<kF16>(o[4 * jj + 2 * r], o[4 * jj + 2 * r + 1]))
+                           : "memory");
+            }
+          }
+          __syncwarp();
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = lane / 8 + 4 * i, chunk = lane % 8;
+            uint32_t v0, v1, v2, v3;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                         : "r"(tile_smem + row * 128 + ((chunk ^ (row % 8)) * 16))
+                         : "memory");
+            if (warp_row + row < tl.q_len) {
+              *reinterpret_cast<uint4*>(out + static_cast<int64_t>(tl.q_begin + warp_row + row) * p.out_row_stride +
+                                        b * 64 + chunk * 8) = make_uint4(v0, v1, v2, v3);
+            }
+          }
+          __syncwarp();
+        }
       }
     }
     if (staged) {

@@ -209,8 +209,6 @@ __device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, uint32_t
                : "memory");
 }
 
-__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // *addr += v, element-wise, in L2 (no value returned).
 __device__ __forceinline__ void RedAddF32x4(float* addr, float a, float b, float c, float d) {
   asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
@@ -464,7 +462,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           *reinterpret_cast<uint32_t*>(ds_base + at) = Pack<kF16>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
         }
       }
-      FenceProxyAsync();
+      FenceProxyAsyncShared();
       NamedBarrierSync(kBarDsReady, 256);
 
       // dV += P^T dO and dK += dS^T Q over this warpgroup's 128 columns; dQ = dS K likewise.
@@ -496,7 +494,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // Q, dO, lse and D of this stage are no longer read. Each thread fences its own reads of
       // lse and D (generic proxy) before the bulk copies that refill the stage and arrives
       // itself: a warp-level handoff left racecheck reporting these reads in some runs.
-      FenceProxyAsync();
+      FenceProxyAsyncShared();
       MbarArrive(empty(s));
       add_dq(dq, it, 2 * wg);
       add_dq(dq + 32, it, 2 * wg + 1);
@@ -566,7 +564,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           }
         }
       }
-      FenceProxyAsync();
+      FenceProxyAsyncShared();
 
       // dV += P^T dO, dK += dS^T Q.
       WgmmaFence();
@@ -606,7 +604,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // Q, dO, lse and D of this stage are no longer read. Each thread fences its own reads of
       // lse and D (generic proxy) before the bulk copies that refill the stage and arrives
       // itself: a warp-level handoff left racecheck reporting these reads in some runs.
-      FenceProxyAsync();
+      FenceProxyAsyncShared();
       MbarArrive(empty(s));
       add_dq(dq, it, wg);
     }

@@ -196,8 +196,13 @@ __device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src,
 __device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void BulkWaitRead() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void BulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// Orders this thread's generic shared-memory writes before later async-proxy (TMA) reads.
+// Orders this thread's generic shared-memory accesses before its later async-proxy (TMA)
+// accesses to shared memory.
 __device__ __forceinline__ void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void StoreShared32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
 
 __device__ __forceinline__ void MbarArriveCount(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -887,9 +892,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
           const uint32_t addr = base + (j / 8) * L::kQBlockBytes + (((j % 8) ^ (local_row % 8)) * 16);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
-                       "r"(Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv))
-                       : "memory");
+          StoreShared32(addr, Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv));
         }
       } else if constexpr (L::kWarpStaging) {
 #pragma unroll
@@ -909,44 +912,41 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
             sum > 0.0f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
       }
     }
-    if constexpr (L::kWarpStaging) {
-      if (!staged) {
-        // Each warp passes its 16 rows through its shared tile, 64 columns at a time, and
-        // writes them back as 16-byte stores, each instruction four full 128-byte row
-        // segments, instead of 4-byte stores touching 8 rows each.
-        const uint32_t tile_smem = smem + L::kWarpStoreOffset + (wg * 4 + warp) * L::kWarpStoreBytes;
-        const int warp_row = tl.m0 + wg * 64 + warp * 16;  // first of the warp's rows
-        uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
-                        static_cast<int64_t>(head) * kHeadDim;
+    if constexpr (L::kWarpStaging) {  // one Q slot: nothing was staged
+      // Each warp passes its 16 rows through its shared tile, 64 columns at a time, and
+      // writes them back as 16-byte stores, each instruction four full 128-byte row
+      // segments, instead of 4-byte stores touching 8 rows each.
+      const uint32_t tile_smem = smem + L::kWarpStoreOffset + (wg * 4 + warp) * L::kWarpStoreBytes;
+      const int warp_row = tl.m0 + wg * 64 + warp * 16;  // first of the warp's rows
+      uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
+                      static_cast<int64_t>(head) * kHeadDim;
 #pragma unroll
-        for (int b = 0; b < kColBlocks; ++b) {
+      for (int b = 0; b < kColBlocks; ++b) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = lane / 4 + 8 * r;
+        for (int r = 0; r < 2; ++r) {
+          const int row = lane / 4 + 8 * r;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const int jj = 8 * b + j;
-              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile_smem + row * 128 + ((j ^ (row % 8)) * 16) + 4 * t4),
-                           "r"(Pack<kF16>(o[4 * jj + 2 * r], o[4 * jj + 2 * r + 1]))
-                           : "memory");
-            }
+          for (int j = 0; j < 8; ++j) {
+            const int jj = 8 * b + j;
+            StoreShared32(tile_smem + row * 128 + ((j ^ (row % 8)) * 16) + 4 * t4,
+                          Pack<kF16>(o[4 * jj + 2 * r], o[4 * jj + 2 * r + 1]));
           }
-          __syncwarp();
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int row = lane / 8 + 4 * i, chunk = lane % 8;
-            uint32_t v0, v1, v2, v3;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                         : "r"(tile_smem + row * 128 + ((chunk ^ (row % 8)) * 16))
-                         : "memory");
-            if (warp_row + row < tl.q_len) {
-              *reinterpret_cast<uint4*>(out + static_cast<int64_t>(tl.q_begin + warp_row + row) * p.out_row_stride +
-                                        b * 64 + chunk * 8) = make_uint4(v0, v1, v2, v3);
-            }
-          }
-          __syncwarp();
         }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = lane / 8 + 4 * i, chunk = lane % 8;
+          uint32_t v0, v1, v2, v3;
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                       : "r"(tile_smem + row * 128 + ((chunk ^ (row % 8)) * 16))
+                       : "memory");
+          if (warp_row + row < tl.q_len) {
+            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(tl.q_begin + warp_row + row) * p.out_row_stride +
+                                      b * 64 + chunk * 8) = make_uint4(v0, v1, v2, v3);
+          }
+        }
+        __syncwarp();
       }
     }
     if (staged) {

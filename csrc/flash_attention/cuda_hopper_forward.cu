@@ -84,6 +84,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   kp->head_ratio = static_cast<int>(d.num_q_heads / d.num_kv_heads);
   kp->num_m_blocks = static_cast<int>((d.seqlen_q + block_m - 1) / block_m);
   kp->section = 1;
+  kp->paired = 0;
   kp->cu_seqlens_q = nullptr;
   kp->cu_seqlens_k = nullptr;
   kp->num_sequences = 0;

@@ -18,8 +18,8 @@
 // entirely are never loaded, and only tiles on a mask boundary are masked element-wise.
 // Rows and keys past the sequence come from TMA's zero fill (or, with packed sequences, from
 // the neighbours, masked); stores skip them. Unmasked calls, bands (sliding windows much
-// narrower than the keys) and packed sequences run on a persistent grid, causal calls on one
-// block per tile.
+// narrower than the keys), packed sequences and short causal calls at d128 (query tiles in
+// pairs of equal length) run on a persistent grid, other causal calls on one block per tile.
 //
 // Features: bf16/f16, head dims 64/128/256, causal and sliding window (bottom-right aligned),
 // GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), lse output.
@@ -97,6 +97,12 @@ struct SmemLayout {
   // Two Q slots where shared memory allows: the next tile's Q loads during the current tile,
   // and a finished tile's slot stages its O for a bulk tensor store.
   static constexpr int kQStages = 2 * kQTileBytes + kKvBytes + kBarrierBytes + 1024 <= 232448 ? 2 : 1;
+  // Causal tiles of short sequences on a persistent grid in pairs (ScheduledTile), where the
+  // next tile's Q can load early (two Q slots). Measured on H100 against one block per tile:
+  // d128 faster (32 x 512: -11%, 16 x 1024: -7%, 8 x 2048: -2%, 3 x 1999: -6%); d256 (one Q
+  // slot) 3% slower at 32 x 512; with three consumer warpgroups (d64) the pairing code alone
+  // slowed the kernel.
+  static constexpr bool kPairedSchedule = kWarpgroups == 2 && kQStages == 2;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQStages * kQTileBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvTileBytes;
@@ -131,6 +137,9 @@ struct KernelParams {
   // Dense tiles come in sections of `section` (batch, head) pairs, m-block-major inside a
   // section (DenseTile); 1 is plain head-major order.
   int section;
+  // Persistent causal grid: each block takes pairs of m blocks of equal total length
+  // (ScheduledTile); needs section 1.
+  int paired;
   const int* cu_seqlens_q;  // packed sequences (device memory), or null
   const int* cu_seqlens_k;
   int num_sequences;
@@ -500,10 +509,26 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
   return t;
 }
 
-// The tile a block takes in its `round`-th turn: a persistent grid walks the tiles back and
-// forth (block b takes tile b, then 2 * grid - 1 - b, ...), which evens out the decreasing
-// lengths of causal tiles across blocks. -1: no more tiles.
-__device__ __forceinline__ int ScheduledTile(int round, int num_tiles) {
+// The tile a block takes in its `round`-th turn; -1: no more tiles, kSkipRound: none this turn.
+// A persistent grid walks the tiles back and forth (block b takes tile b, then
+// 2 * grid - 1 - b, ...), which evens out small differences in length. Causal tiles, whose
+// lengths fall linearly within a head, come in pairs instead: m blocks M - 1 - j and j of one
+// head hold M + 1 key tiles together, and a block takes one pair per two turns (the middle
+// block of an odd M alone), in head-major order. Every block then gets the same work, and
+// concurrent blocks read the K and V of a few heads, which stay in L2.
+// Only kernels with kPairs compile the pairing (SmemLayout::kPairedSchedule).
+constexpr int kSkipRound = -2;
+template <bool kPairs>
+__device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, int num_tiles) {
+  if (kPairs && p.paired) {
+    const int m = p.num_m_blocks, half = (m + 1) / 2;
+    const int pair = blockIdx.x + (round >> 1) * gridDim.x;
+    if (pair >= half * p.num_q_heads * p.batch) return -1;
+    const int bh = pair / half, j = pair % half;
+    // Head-major DenseTile order: tile bh * m + x is m block m - 1 - x.
+    if ((round & 1) == 0) return bh * m + j;
+    return j == m - 1 - j ? kSkipRound : bh * m + m - 1 - j;
+  }
   const int k = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   return k < num_tiles ? k : -1;
 }
@@ -531,6 +556,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kColBlocks = L::kColBlocks;
+  constexpr bool kPairedSchedule = L::kPairedSchedule;
   // Partial last key tiles (see issue_qk); not with three consumer warpgroups (d64)
   // or a soft cap, whose registers cannot hold the extra wgmma code paths: ptxas would
   // serialise every wgmma of the kernel.
@@ -581,7 +607,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     if (threadIdx.x < 32) {  // one warp decodes tiles, its first lane issues the copies
       int kv_iter = 0, q_iter = 0;
       for (int round = 0;; ++round) {
-        const int tile = ScheduledTile(round, num_tiles);
+        const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
+        if (kPairedSchedule && tile == kSkipRound) continue;
         if (tile < 0) break;
         const Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
         int head, batch;
@@ -653,7 +680,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 
   int kv_iter = 0, q_iter = 0;
   for (int round = 0;; ++round) {
-    const int tile = ScheduledTile(round, num_tiles);
+    const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
+    if (kPairedSchedule && tile == kSkipRound) continue;
     if (tile < 0) break;
     const Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
     int q_slot = -1;  // this tile's Q slot, if it has key tiles
@@ -991,20 +1019,26 @@ Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
   }
-  // Tiles of (nearly) equal length run on a persistent grid, whose producer loads the next
-  // tile's Q, K and V while the consumers finish the current one: no mask, or a band (a
+  // A persistent grid's producer loads the next tile's Q, K and V while the consumers finish
+  // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band (a
   // sliding window much narrower than the keys: all but the first few tiles hold the same
-  // number of key tiles). Causal tiles, of linearly decreasing length, balance better with
-  // one block per tile, dispatched by the hardware as blocks finish (measured on H100).
-  // Packed sequences use the persistent grid: most blocks of the bound are empty.
+  // number of key tiles); packed sequences too, most blocks of their bound being empty.
+  // Causal tiles of up to 16 query blocks per head go in pairs of equal total length where
+  // the kernel has two Q slots (SmemLayout::kPairedSchedule). Longer ones do not gain: the
+  // pairs' static schedule leaves a tail (1024 pairs on 132 SMs) that hardware dispatch of
+  // single tiles avoids (1 x 16384 at d128: 6% slower paired).
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const bool band = 4 * (static_cast<int64_t>(kp.left) + kp.right + 1) <= kp.seqlen_k;
-  const bool persistent = !kMasked || band || kp.cu_seqlens_q != nullptr;
-  const unsigned grid = static_cast<unsigned>(persistent && tiles > num_sms ? num_sms : tiles);
-  // One block per tile, dispatched in tile order: in sections of a few heads (K and V rows
-  // of 1024 columns in all), longest tiles first. In head-major order the last tiles
-  // dispatched include whole-row ones that run long after the rest (causal 4 x 4096 at d128:
-  // 486 -> 546 TFLOP/s on H100; sections of 4 heads: slower at d128, faster at d256).
+  kp.paired = L::kPairedSchedule && kMasked && !band && kp.cu_seqlens_q == nullptr && kp.num_m_blocks <= 16;
+  const int64_t units =
+      kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
+  const bool persistent = kp.paired || !kMasked || band || kp.cu_seqlens_q != nullptr;
+  const unsigned grid = static_cast<unsigned>(persistent && units > num_sms ? num_sms : units);
+  // Other causal calls: one block per tile, dispatched in tile order, in sections of a few
+  // heads (K and V rows of 1024 columns in all), longest tiles first. In head-major order the
+  // last tiles dispatched include whole-row ones that run long after the rest (causal
+  // 4 x 4096 at d128: 486 -> 546 TFLOP/s on H100; sections of 4 heads: slower at d128,
+  // faster at d256).
   kp.section = persistent ? 1 : std::max(1, 1024 / kHeadDim);
   kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {

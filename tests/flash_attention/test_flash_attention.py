@@ -112,6 +112,10 @@ CASES = [
     # 400 keys = two 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow).
     Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=400, q_heads=4, kv_heads=2,
          head_dim=128, sinks=True),
+    # More causal query tiles than an H100 has multiprocessors, three per head: the Hopper
+    # forward's persistent blocks take several pairs of tiles, and each head's middle tile alone.
+    Case("tiles_d128_causal_pairs", dtype="bfloat16", batch=17, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,
+         head_dim=128, causal=True),
     # Packed sequences on the Hopper backward: query tiles shared by neighbouring sequences,
     # partial key blocks, keys or queries of a sequence alone, padding rows and keys.
     Case("varlen_tiles_causal_bf16_d128_gqa", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4, kv_heads=2,

@@ -104,14 +104,35 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->softcap_pre = 0.0f;
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
-  // Window sides beyond Sq + Sk hide nothing; clamping keeps the kernel's sums in int32.
-  const int64_t unbounded = d.seqlen_q + d.seqlen_k + 1;
-  const int64_t right = p.causal ? (p.window_right >= 0 ? std::min<int64_t>(p.window_right, 0) : 0)
-                                 : (p.window_right >= 0 ? std::min(p.window_right, unbounded) : unbounded);
-  const int64_t left = p.window_left >= 0 ? std::min(p.window_left, unbounded) : unbounded;
-  kp->left = static_cast<int>(left);
-  kp->right = static_cast<int>(right);
+  WindowSides(args, &kp->left, &kp->right);
   return Status::Ok();
+}
+
+void WindowSides(const CudaForwardArgs& args, int* left, int* right) {
+  const ForwardParams& p = args.p;
+  // Window sides beyond Sq + Sk hide nothing; clamping keeps the kernel's sums in int32.
+  const int64_t unbounded = args.dims.seqlen_q + args.dims.seqlen_k + 1;
+  *right = static_cast<int>(p.causal ? (p.window_right >= 0 ? std::min<int64_t>(p.window_right, 0) : 0)
+                                     : (p.window_right >= 0 ? std::min(p.window_right, unbounded) : unbounded));
+  *left = static_cast<int>(p.window_left >= 0 ? std::min(p.window_left, unbounded) : unbounded);
+}
+
+bool IsBand(int left, int right, int64_t seqlen_k) {
+  return 4 * (static_cast<int64_t>(left) + right + 1) <= seqlen_k;
+}
+
+bool PairedCausalCall(const CudaForwardArgs& args, int block_m, int max_m_blocks) {
+  if (args.dims.varlen) return false;
+  int left, right;
+  WindowSides(args, &left, &right);
+  return !IsBand(left, right, args.dims.seqlen_k) && (args.dims.seqlen_q + block_m - 1) / block_m <= max_m_blocks;
+}
+
+bool ShortCall(const CudaForwardArgs& args, int max_seqlen) {
+  if (args.dims.varlen || args.dims.seqlen_q > max_seqlen || args.dims.seqlen_k > max_seqlen) return false;
+  int left, right;
+  WindowSides(args, &left, &right);
+  return !IsBand(left, right, args.dims.seqlen_k);
 }
 
 StatusOr<int> CurrentDeviceSms() {

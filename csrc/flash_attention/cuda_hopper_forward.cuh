@@ -18,8 +18,8 @@
 // entirely are never loaded, and only tiles on a mask boundary are masked element-wise.
 // Rows and keys past the sequence come from TMA's zero fill (or, with packed sequences, from
 // the neighbours, masked); stores skip them. Unmasked calls, bands (sliding windows much
-// narrower than the keys), packed sequences and short causal calls at d128 (query tiles in
-// pairs of equal length) run on a persistent grid, other causal calls on one block per tile.
+// narrower than the keys), packed sequences and short causal calls (query tiles in pairs of
+// equal length) run on a persistent grid, other causal calls on one block per tile.
 //
 // Features: bf16/f16, head dims 64/128/256, causal and sliding window (bottom-right aligned),
 // GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), lse output.
@@ -57,23 +57,48 @@ namespace ejk::flash_attention::hopper {
 // window masks, which waste less work on the diagonal with narrower key tiles, or a soft
 // cap, which needs more registers) picks the narrower key tile where it differs.
 //   kWarpgroups: consumer warpgroups (64 query rows each), kBlockM = 64 * kWarpgroups.
+//   kMaxPairedMBlocks: causal calls with at most this many query tiles per head run on a
+//   persistent grid in pairs (ScheduledTile; needs SmemLayout::kPairedSchedule); 0: never.
 template <int kHeadDim, bool kNarrow>
 struct TileConfig;
 template <bool kNarrow>
 struct TileConfig<64, kNarrow> {
-  static constexpr int kWarpgroups = 3, kBlockN = 128, kStages = 4;
+  static constexpr int kWarpgroups = 3, kBlockN = 128, kStages = 4, kMaxPairedMBlocks = 0;
 };
 template <>
 struct TileConfig<128, false> {
-  static constexpr int kWarpgroups = 2, kBlockN = 176, kStages = 2;
+  static constexpr int kWarpgroups = 2, kBlockN = 176, kStages = 2, kMaxPairedMBlocks = 0;
 };
+// Pairs measured on H100 against one block per tile (d128 causal): 32 x 512 -11%, 16 x 1024
+// -7%, 8 x 2048 -2%, 3 x 1999 -6%; 1 x 16384 +6% (1024 pairs on 132 SMs leave a tail that
+// hardware dispatch of single tiles avoids).
 template <>
 struct TileConfig<128, true> {
-  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2;
+  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2, kMaxPairedMBlocks = 16;
 };
 template <bool kNarrow>
 struct TileConfig<256, kNarrow> {
-  static constexpr int kWarpgroups = 2, kBlockN = 80, kStages = 2;
+  static constexpr int kWarpgroups = 2, kBlockN = 80, kStages = 2, kMaxPairedMBlocks = 0;
+};
+// Calls of at most kMaxSeqlen queries and keys (no band, no packed sequences), where a tile's
+// start-up and epilogue weigh more, take ShortConfig where one is given. Measured on H100:
+// - d64 causal, 128-row tiles in pairs against three consumer warpgroups of 192 rows:
+//   32 x 512 238 -> 209 us, 16 x 1024 317 -> 285 us, but 8 x 2048 423 -> 440 us and
+//   4 x 4096 688 -> 742 us; three warpgroups in pairs: 32 x 512 281 us. Not causal, two
+//   warpgroups were slower at every length (32 x 512: 222 -> 252 us).
+// - d128 not causal, 128-key tiles with two Q slots against 176-key tiles with one:
+//   32 x 512 169 -> 160 us, 16 x 1024 260 -> 253 us, 8 x 2048 even, 4 x 4096 +5%.
+template <int kHeadDim, bool kMasked>
+struct ShortConfig {
+  static constexpr int kMaxSeqlen = 0;  // none: TileConfig serves every call
+};
+template <>
+struct ShortConfig<64, true> {
+  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 4, kMaxPairedMBlocks = 8, kMaxSeqlen = 1024;
+};
+template <>
+struct ShortConfig<128, false> {
+  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2, kMaxPairedMBlocks = 0, kMaxSeqlen = 1024;
 };
 
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_>
@@ -98,10 +123,9 @@ struct SmemLayout {
   // and a finished tile's slot stages its O for a bulk tensor store.
   static constexpr int kQStages = 2 * kQTileBytes + kKvBytes + kBarrierBytes + 1024 <= 232448 ? 2 : 1;
   // Causal tiles of short sequences on a persistent grid in pairs (ScheduledTile), where the
-  // next tile's Q can load early (two Q slots). Measured on H100 against one block per tile:
-  // d128 faster (32 x 512: -11%, 16 x 1024: -7%, 8 x 2048: -2%, 3 x 1999: -6%); d256 (one Q
-  // slot) 3% slower at 32 x 512; with three consumer warpgroups (d64) the pairing code alone
-  // slowed the kernel.
+  // next tile's Q can load early (two Q slots). d256 (one Q slot) measured 3% slower paired at
+  // 32 x 512 on H100; with three consumer warpgroups (d64) the pairing code alone slowed the
+  // kernel, and three warpgroups in pairs were slower than two.
   static constexpr bool kPairedSchedule = kWarpgroups == 2 && kQStages == 2;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQStages * kQTileBytes;
@@ -711,11 +735,13 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       q_slot = q_iter % kQStages;
       const uint32_t q_tile = q_smem(q_slot);
 
-      // S = Q K^T of one key tile. partial: the sequence's last key tile (visited first) when it
-      // holds at most kPartialN keys: S over its first kPartialN columns only (the mask hides
-      // the rest of s) and P V over as many keys, instead of a mostly empty full tile (S_k =
-      // 4096 with 176-key tiles leaves 48 keys in the last one; measured +0.6% at B4 S4096 H16
-      // d128 on H100). Callers pass constants, so no branch reaches the wgmma sequence.
+      // S = Q K^T of one key tile. partial: the first key tile visited (the last one) when this
+      // warpgroup's rows see at most its first kPartialN keys: S over those columns only (the
+      // mask hides the rest of s) and P V over as many keys, instead of a mostly empty full
+      // tile. That is the sequence's end (S_k = 4096 with 176-key tiles leaves 48 keys in the
+      // last one; measured +0.6% at B4 S4096 H16 d128 on H100) or, with 128-key tiles, the
+      // causal diagonal for the first 64 rows. Callers pass constants, so no branch reaches
+      // the wgmma sequence.
       const auto issue_qk = [&](int stage, bool partial) {
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -811,7 +837,13 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 
       float correction[2];
       int stage = kv_iter % kStages;
-      const bool first_partial = kPartialTiles && tl.k_len - (tl.n_end - 1) * kBlockN <= kPartialN;
+      // Keys visible to this warpgroup's rows end before wg_key_hi.
+      const int wg_key_hi =
+          min(tl.k_len, min(tl.m0 + wg * 64 + 63, tl.q_len - 1) + tl.k_len - tl.q_len + p.right + 1);
+      // Broadcast from lane 0: a branch the compiler cannot prove warp-uniform moves the
+      // wgmma descriptors of the whole tile loop out of uniform registers.
+      const bool first_partial =
+          kPartialTiles && __shfl_sync(0xffffffffu, wg_key_hi - (tl.n_end - 1) * kBlockN <= kPartialN, 0);
       MbarWait(k_full(stage), (kv_iter / kStages) & 1);
       NamedBarrierSync(own_barrier, 256);
       const auto first_qk = [&](bool partial) {
@@ -1003,14 +1035,23 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
+// KernelParams::left and right of a call.
+void WindowSides(const CudaForwardArgs& args, int* left, int* right);
+// A sliding window much narrower than the keys: all but the first few query tiles hold the
+// same number of key tiles.
+bool IsBand(int left, int right, int64_t seqlen_k);
+// A masked call that is no band, has no packed sequences and at most max_m_blocks query tiles
+// of block_m rows per head: its tiles can run in pairs (ScheduledTile).
+bool PairedCausalCall(const CudaForwardArgs& args, int block_m, int max_m_blocks);
+// No band, no packed sequences, at most max_seqlen queries and keys (ShortConfig).
+bool ShortCall(const CudaForwardArgs& args, int max_seqlen);
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
 
-template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap>
-Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
-  // The soft cap keeps more values live per score: it takes the narrower key tile too.
-  using C = TileConfig<kHeadDim, kMasked || kSoftcap>;
+template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap>
+Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages>;
+  static_assert(C::kMaxPairedMBlocks == 0 || L::kPairedSchedule, "pairs need two Q slots and two consumer warpgroups");
   KernelParams kp;
   EJK_RETURN_IF_ERROR(PrepareKernelParams(args, L::kBlockM, L::kBlockN, &kp));
   EJK_ASSIGN_OR_RETURN(const int num_sms, CurrentDeviceSms());
@@ -1020,16 +1061,12 @@ Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
     return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
   }
   // A persistent grid's producer loads the next tile's Q, K and V while the consumers finish
-  // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band (a
-  // sliding window much narrower than the keys: all but the first few tiles hold the same
-  // number of key tiles); packed sequences too, most blocks of their bound being empty.
-  // Causal tiles of up to 16 query blocks per head go in pairs of equal total length where
-  // the kernel has two Q slots (SmemLayout::kPairedSchedule). Longer ones do not gain: the
-  // pairs' static schedule leaves a tail (1024 pairs on 132 SMs) that hardware dispatch of
-  // single tiles avoids (1 x 16384 at d128: 6% slower paired).
+  // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band;
+  // packed sequences too, most blocks of their bound being empty. Short causal calls go in
+  // pairs of equal total length (C::kMaxPairedMBlocks).
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
-  const bool band = 4 * (static_cast<int64_t>(kp.left) + kp.right + 1) <= kp.seqlen_k;
-  kp.paired = L::kPairedSchedule && kMasked && !band && kp.cu_seqlens_q == nullptr && kp.num_m_blocks <= 16;
+  const bool band = IsBand(kp.left, kp.right, kp.seqlen_k);
+  kp.paired = kMasked && C::kMaxPairedMBlocks > 0 && PairedCausalCall(args, L::kBlockM, C::kMaxPairedMBlocks);
   const int64_t units =
       kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
   const bool persistent = kp.paired || !kMasked || band || kp.cu_seqlens_q != nullptr;
@@ -1045,6 +1082,16 @@ Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
     return Status::Internal(std::string("hopper flash attention: launch failed: ") + cudaGetErrorString(err));
   }
   return Status::Ok();
+}
+
+template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap>
+Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
+  using Short = ShortConfig<kHeadDim, kMasked>;
+  if constexpr (Short::kMaxSeqlen > 0) {
+    if (ShortCall(args, Short::kMaxSeqlen)) return LaunchConfig<kHeadDim, Short, kMasked, kF16, kSoftcap>(args, stream);
+  }
+  // The soft cap keeps more values live per score: it takes the narrower key tile too.
+  return LaunchConfig<kHeadDim, TileConfig<kHeadDim, kMasked || kSoftcap>, kMasked, kF16, kSoftcap>(args, stream);
 }
 
 template <int kHeadDim, bool kMasked>

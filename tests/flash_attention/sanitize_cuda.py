@@ -46,11 +46,16 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (128, 131, 200), (256, 70, 135)):
     jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))
     calls += 1
 # Banded and causal forwards with more query tiles than an H100 has multiprocessors, so that
-# persistent blocks take several tiles (causal d128 ones in pairs, 9 per head: one alone) and
-# reuse their Q slots (O leaves through them).
-for head_dim, seq, window in ((64, 2000, (64, 0)), (128, 1100, (64, 0)), (128, 1100, None)):
-    q, k, v = (normal(4, seq, 8, head_dim) for _ in range(3))
+# persistent blocks take several tiles (short causal ones in pairs, 9 per head at d128: one
+# alone) and reuse their Q slots (O leaves through them).
+for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None), (4, 128, 1100, (64, 0)),
+                                     (4, 128, 1100, None)):
+    q, k, v = (normal(batch, seq, 8, head_dim) for _ in range(3))
     jax.block_until_ready(flash_attention(q, k, v, causal=True, sliding_window=window, platform="cuda",
                                           return_lse=True))
     calls += 1
+# Not causal with more than 1024 keys: the 176-key d128 kernel (shorter calls take 128-key tiles).
+q, k, v = (normal(2, 1100, 4, 128) for _ in range(3))
+jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True))
+calls += 1
 print("sanitize_cuda: ran", calls, "calls")

@@ -109,13 +109,27 @@ CASES = [
          head_dim=256),
     Case("tiles_d256_bf16_window_both", dtype="bfloat16", batch=1, seq_q=259, seq_k=259, q_heads=2, kv_heads=1,
          head_dim=256, window=(70, 9), soft_cap=7.0),
-    # 400 keys = two 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow).
-    Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=400, q_heads=4, kv_heads=2,
+    # 1104 keys = six 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow);
+    # 400 keys (at most 1024: 128-key tiles) = three + a last tile of 16.
+    Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=1104, q_heads=4, kv_heads=2,
          head_dim=128, sinks=True),
+    Case("tiles_d128_short_partial_last_key_tile", dtype="float16", batch=2, seq_q=300, seq_k=400, q_heads=4,
+         kv_heads=2, head_dim=128),
     # More causal query tiles than an H100 has multiprocessors, three per head: the Hopper
     # forward's persistent blocks take several pairs of tiles, and each head's middle tile alone.
     Case("tiles_d128_causal_pairs", dtype="bfloat16", batch=17, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,
          head_dim=128, causal=True),
+    # The same at d64 (128-row tiles in pairs for causal calls of up to 1024 queries), with and
+    # without a soft cap; past 1024 queries the three-warpgroup kernel (192-row tiles).
+    Case("tiles_d64_causal_pairs", dtype="bfloat16", batch=9, seq_q=300, seq_k=300, q_heads=8, kv_heads=2,
+         causal=True),
+    Case("tiles_d64_causal_pairs_f16_soft_cap_sinks", dtype="float16", batch=2, seq_q=1000, seq_k=1000, q_heads=2,
+         kv_heads=1, causal=True, soft_cap=5.0, sinks=True),
+    Case("tiles_d64_causal_gqa_1100", dtype="bfloat16", batch=1, seq_q=1100, seq_k=1100, q_heads=4, kv_heads=2,
+         causal=True),
+    # A window with keys on both sides, Sq < Sk: the first query rows' last key tile is partial.
+    Case("tiles_d128_window_both_sq<sk", dtype="bfloat16", batch=2, seq_q=260, seq_k=300, q_heads=4, kv_heads=2,
+         head_dim=128, window=(150, 30)),
     # Packed sequences on the Hopper backward: query tiles shared by neighbouring sequences,
     # partial key blocks, keys or queries of a sequence alone, padding rows and keys.
     Case("varlen_tiles_causal_bf16_d128_gqa", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4, kv_heads=2,

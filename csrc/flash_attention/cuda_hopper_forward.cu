@@ -121,15 +121,8 @@ bool IsBand(int left, int right, int64_t seqlen_k) {
   return 4 * (static_cast<int64_t>(left) + right + 1) <= seqlen_k;
 }
 
-bool PairedCausalCall(const CudaForwardArgs& args, int block_m, int max_m_blocks) {
-  if (args.dims.varlen) return false;
-  int left, right;
-  WindowSides(args, &left, &right);
-  return !IsBand(left, right, args.dims.seqlen_k) && (args.dims.seqlen_q + block_m - 1) / block_m <= max_m_blocks;
-}
-
-bool ShortCall(const CudaForwardArgs& args, int max_seqlen) {
-  if (args.dims.varlen || args.dims.seqlen_q > max_seqlen || args.dims.seqlen_k > max_seqlen) return false;
+bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  if (args.dims.varlen || args.dims.seqlen_q > max_seqlen_q || args.dims.seqlen_k > max_seqlen_k) return false;
   int left, right;
   WindowSides(args, &left, &right);
   return !IsBand(left, right, args.dims.seqlen_k);

@@ -1040,11 +1040,9 @@ void WindowSides(const CudaForwardArgs& args, int* left, int* right);
 // A sliding window much narrower than the keys: all but the first few query tiles hold the
 // same number of key tiles.
 bool IsBand(int left, int right, int64_t seqlen_k);
-// A masked call that is no band, has no packed sequences and at most max_m_blocks query tiles
-// of block_m rows per head: its tiles can run in pairs (ScheduledTile).
-bool PairedCausalCall(const CudaForwardArgs& args, int block_m, int max_m_blocks);
-// No band, no packed sequences, at most max_seqlen queries and keys (ShortConfig).
-bool ShortCall(const CudaForwardArgs& args, int max_seqlen);
+// No band, no packed sequences, at most max_seqlen_q queries and max_seqlen_k keys: the calls
+// that ShortConfig serves, and the masked ones whose tiles run in pairs (ScheduledTile).
+bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_seqlen_k);
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
 
@@ -1066,7 +1064,8 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   // pairs of equal total length (C::kMaxPairedMBlocks).
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const bool band = IsBand(kp.left, kp.right, kp.seqlen_k);
-  kp.paired = kMasked && C::kMaxPairedMBlocks > 0 && PairedCausalCall(args, L::kBlockM, C::kMaxPairedMBlocks);
+  kp.paired = kMasked && C::kMaxPairedMBlocks > 0 &&
+              ShortCall(args, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k);
   const int64_t units =
       kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
   const bool persistent = kp.paired || !kMasked || band || kp.cu_seqlens_q != nullptr;
@@ -1088,7 +1087,9 @@ template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap>
 Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
   using Short = ShortConfig<kHeadDim, kMasked>;
   if constexpr (Short::kMaxSeqlen > 0) {
-    if (ShortCall(args, Short::kMaxSeqlen)) return LaunchConfig<kHeadDim, Short, kMasked, kF16, kSoftcap>(args, stream);
+    if (ShortCall(args, Short::kMaxSeqlen, Short::kMaxSeqlen)) {
+      return LaunchConfig<kHeadDim, Short, kMasked, kF16, kSoftcap>(args, stream);
+    }
   }
   // The soft cap keeps more values live per score: it takes the narrower key tile too.
   return LaunchConfig<kHeadDim, TileConfig<kHeadDim, kMasked || kSoftcap>, kMasked, kF16, kSoftcap>(args, stream);

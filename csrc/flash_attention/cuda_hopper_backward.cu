@@ -317,13 +317,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     kp.logit_scale = f.softmax_scale * kLog2e;
   }
   kp.dk_scale = f.softmax_scale;
-  // Window sides beyond Sq + Sk hide nothing; clamping keeps the kernel's sums in int32.
-  const int64_t unbounded = d.seqlen_q + d.seqlen_k + 1;
-  const int64_t right = f.causal ? (f.window_right >= 0 ? std::min<int64_t>(f.window_right, 0) : 0)
-                                 : (f.window_right >= 0 ? std::min(f.window_right, unbounded) : unbounded);
-  const int64_t left = f.window_left >= 0 ? std::min(f.window_left, unbounded) : unbounded;
-  kp.left = static_cast<int>(left);
-  kp.right = static_cast<int>(right);
+  hopper::WindowSides(f, d, &kp.left, &kp.right);
 
   const auto zero = [&](void* ptr, size_t bytes) {
     const cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);

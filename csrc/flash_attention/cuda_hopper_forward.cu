@@ -104,14 +104,13 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->softcap_pre = 0.0f;
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
-  WindowSides(args, &kp->left, &kp->right);
+  WindowSides(p, d, &kp->left, &kp->right);
   return Status::Ok();
 }
 
-void WindowSides(const CudaForwardArgs& args, int* left, int* right) {
-  const ForwardParams& p = args.p;
+void WindowSides(const ForwardParams& p, const Dims& d, int* left, int* right) {
   // Window sides beyond Sq + Sk hide nothing; clamping keeps the kernel's sums in int32.
-  const int64_t unbounded = args.dims.seqlen_q + args.dims.seqlen_k + 1;
+  const int64_t unbounded = d.seqlen_q + d.seqlen_k + 1;
   *right = static_cast<int>(p.causal ? (p.window_right >= 0 ? std::min<int64_t>(p.window_right, 0) : 0)
                                      : (p.window_right >= 0 ? std::min(p.window_right, unbounded) : unbounded));
   *left = static_cast<int>(p.window_left >= 0 ? std::min(p.window_left, unbounded) : unbounded);
@@ -124,7 +123,7 @@ bool IsBand(int left, int right, int64_t seqlen_k) {
 bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   if (args.dims.varlen || args.dims.seqlen_q > max_seqlen_q || args.dims.seqlen_k > max_seqlen_k) return false;
   int left, right;
-  WindowSides(args, &left, &right);
+  WindowSides(args.p, args.dims, &left, &right);
   return !IsBand(left, right, args.dims.seqlen_k);
 }
 

@@ -1035,8 +1035,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
-// KernelParams::left and right of a call.
-void WindowSides(const CudaForwardArgs& args, int* left, int* right);
+// The kernels' window sides of a call (KernelParams::left and right; the backward's too).
+void WindowSides(const ForwardParams& p, const Dims& d, int* left, int* right);
 // A sliding window much narrower than the keys: all but the first few query tiles hold the
 // same number of key tiles.
 bool IsBand(int left, int right, int64_t seqlen_k);

@@ -16,7 +16,11 @@ from ejkernel.kernels.flash_attention import FlashAttentionConfig, normalize
 from ejkernel.kernels.flash_attention._ffi import flash_attention_native
 from ejkernel.modules import FlashAttention, create_default_executor, flash_attention
 
-native_cpu = pytest.mark.skipif(not _native.available(), reason="libejkernel not loaded")
+
+def native_cpu(test):
+    """A test of the native CPU kernel: skipped without the library; JAX's default device is the
+    CPU, also on a machine with a GPU."""
+    return pytest.mark.skipif(not _native.available(), reason="libejkernel not loaded")(pytest.mark.usefixtures("on_cpu")(test))
 
 
 def _qkv(rng, b=2, sq=37, sk=41, hq=4, hkv=2, d=32, dtype=jnp.float32):

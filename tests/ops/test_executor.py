@@ -189,6 +189,25 @@ def test_run_xla_preferred_over_run(executor: Executor) -> None:
     assert kernel.calls == ["run_xla"]
 
 
+def test_traced_arguments_take_the_default_device(
+    monkeypatch: pytest.MonkeyPatch, native_loaded: None, scale: ScaleKernel, executor: Executor
+) -> None:
+    """Under jit the arguments have no device yet: the choice follows jax.default_device (set to
+    the CPU for these tests), not JAX's default backend, which is a GPU's on a GPU machine."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    seen: list[str] = []
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        seen.append(choose_platform(Invocation(scale, (x,), {}))[0].platform.value)
+        return executor(scale, x)
+
+    np.testing.assert_allclose(f(jnp.ones(2)), 102.0)
+    assert seen == ["cpu"] and scale.calls == ["run_cpu"]
+    with jax.default_device("cpu"):  # a platform name works too
+        assert choose_platform(Invocation(scale, (jax.ShapeDtypeStruct((2,), jnp.float32),), {}))[0].platform is Platform.CPU
+
+
 def test_jit_compatible(native_loaded: None, scale: ScaleKernel, executor: Executor) -> None:
     @jax.jit
     def f(x: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from .. import registry as _registry
 from ..registry import Backend, Platform
-from .utils import backend_of, device_fingerprint, stable_json
+from .utils import backend_of, default_device, device_fingerprint, platform_device, stable_json
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -171,11 +171,7 @@ class Invocation(Generic[Cfg, Out]):
         for leaf in jax.tree.leaves((self.args, dict(self.kwargs))):
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
                 return min(leaf.devices(), key=lambda d: d.id)
-        backend = {Platform.CUDA: "gpu", Platform.CPU: "cpu"}.get(self.platform)
-        try:
-            return jax.devices(backend)[0]
-        except RuntimeError:
-            return None
+        return platform_device(self.platform)
 
     @functools.cached_property
     def device_fingerprint(self) -> dict[str, Any]:
@@ -263,7 +259,10 @@ def _args_backend(args: PyTree) -> tuple[Backend, str]:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             device_platform = next(iter(leaf.devices())).platform
             return backend_of(device_platform), device_platform
-    return backend_of(jax.default_backend()), jax.default_backend()
+    # Traced or no arrays: where JAX places the computation (jax.default_device, if set).
+    device = default_device()
+    device_platform = device.platform if device is not None else jax.default_backend()
+    return backend_of(device_platform), device_platform
 
 
 def choose_platform(

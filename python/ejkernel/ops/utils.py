@@ -37,8 +37,24 @@ def backend_of(device_platform: str) -> Backend:
     raise ValueError(f"unsupported JAX device platform '{device_platform}'")
 
 
+def default_device(backend: str | None = None) -> jax.Device | None:
+    """The device JAX places uncommitted computations on: `jax.default_device`'s when set
+    (and of `backend`, if one is named), else the first device of `backend` (None: JAX's
+    default backend); None if there is no such device."""
+    configured = jax.config.jax_default_device
+    try:
+        if isinstance(configured, str):  # jax.default_device also takes a platform name
+            configured = jax.devices(configured)[0]
+        if configured is not None and (backend is None or backend_of(configured.platform) is backend_of(backend)):
+            return configured
+        return jax.devices(backend)[0]
+    except RuntimeError:
+        return None
+
+
 def device_kind(device: jax.Device | None = None) -> str:
-    """ "gpu", "tpu" or "cpu": the kind of `device`, or of JAX's default backend."""
+    """ "gpu", "tpu" or "cpu": the kind of `device`, or of the default device (`default_device`)."""
+    device = device if device is not None else default_device()
     return backend_of(device.platform if device is not None else jax.default_backend()).value
 
 
@@ -53,12 +69,10 @@ def get_device_platform(device: jax.Device | None = None) -> Platform:
     return Platform.XLA
 
 
-def _default_device(platform: Platform) -> jax.Device | None:
-    backend = {Platform.CUDA: "gpu", Platform.CPU: "cpu"}.get(platform)
-    try:
-        return jax.devices(backend)[0]
-    except RuntimeError:
-        return None
+def platform_device(platform: Platform) -> jax.Device | None:
+    """The device a call on `platform` runs on when no argument says: the default device, of
+    the platform's backend for native platforms."""
+    return default_device({Platform.CUDA: "gpu", Platform.CPU: "cpu"}.get(platform))
 
 
 def device_fingerprint(platform: Platform | str | None = None, device: jax.Device | None = None) -> dict[str, Any]:
@@ -68,7 +82,7 @@ def device_fingerprint(platform: Platform | str | None = None, device: jax.Devic
     process without the library, falls back to JAX's view of the device.
     """
     platform = Platform.XLA if platform is None else Platform(platform)
-    device = device if device is not None else _default_device(platform)
+    device = device if device is not None else platform_device(platform)
     if platform.native:
         index = getattr(device, "local_hardware_id", None) if device is not None else None
         native = _native.device_fingerprint(platform.value, index if isinstance(index, int) else 0)

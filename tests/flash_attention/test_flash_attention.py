@@ -51,6 +51,7 @@ class Case:
     varlen: tuple | None = None  # a packed layout: VARLEN or VARLEN_TILES
     dropout: float = 0.0
     deterministic: bool = False
+    key_ramp: bool = False  # keys scaled from 4x (first) down to 1/4 (last): a row's max grows in jumps
 
     def features(self) -> list[str]:
         flags = {
@@ -109,6 +110,13 @@ CASES = [
          head_dim=256),
     Case("tiles_d256_bf16_window_both", dtype="bfloat16", batch=1, seq_q=259, seq_k=259, q_heads=2, kv_heads=1,
          head_dim=256, window=(70, 9), soft_cap=7.0),
+    # The Hopper forward visits key tiles last to first, so with the first keys the largest a
+    # row's running max keeps rising: by more than the d256 kernel's slack (its O rescaled)
+    # and by less (the stale max kept).
+    Case("tiles_d256_bf16_growing_max", dtype="bfloat16", batch=1, seq_q=259, seq_k=400, q_heads=2, kv_heads=1,
+         head_dim=256, key_ramp=True),
+    Case("tiles_d256_f16_growing_max_causal_sinks", dtype="float16", batch=2, seq_q=300, seq_k=300, q_heads=2,
+         kv_heads=2, head_dim=256, causal=True, sinks=True, key_ramp=True),
     # 1104 keys = six 176-key tiles of the Hopper kernel + a last tile of 48 (computed narrow);
     # 400 keys (at most 1024: 128-key tiles) = three + a last tile of 16.
     Case("tiles_d128_partial_last_key_tile", dtype="bfloat16", batch=1, seq_q=300, seq_k=1104, q_heads=4, kv_heads=2,
@@ -161,6 +169,8 @@ def make_inputs(case: Case, rng: np.random.Generator):
 
     q = normal(batch, seq_q, case.q_heads, case.head_dim, scale=1.5)
     k = normal(batch, seq_k, case.kv_heads, case.head_dim)
+    if case.key_ramp:
+        k = (k.astype(jnp.float32) * jnp.geomspace(4.0, 0.25, seq_k)[:, None, None]).astype(dtype)
     v = normal(batch, seq_k, case.kv_heads, case.head_dim)
 
     def broadcast_shape(form):

@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from .. import registry as _registry
 from ..registry import Backend, Platform
-from .utils import backend_of, default_device, device_fingerprint, platform_device, stable_json
+from .utils import backend_of, default_platform, device_fingerprint, platform_device, stable_json
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -260,8 +260,7 @@ def _args_backend(args: PyTree) -> tuple[Backend, str]:
             device_platform = next(iter(leaf.devices())).platform
             return backend_of(device_platform), device_platform
     # Traced or no arrays: where JAX places the computation (jax.default_device, if set).
-    device = default_device()
-    device_platform = device.platform if device is not None else jax.default_backend()
+    device_platform = default_platform()
     return backend_of(device_platform), device_platform
 
 

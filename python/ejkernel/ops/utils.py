@@ -52,10 +52,15 @@ def default_device(backend: str | None = None) -> jax.Device | None:
         return None
 
 
+def default_platform() -> str:
+    """The JAX platform name ("cpu", "gpu", ...) of the default device (`default_device`)."""
+    device = default_device()
+    return device.platform if device is not None else jax.default_backend()
+
+
 def device_kind(device: jax.Device | None = None) -> str:
     """ "gpu", "tpu" or "cpu": the kind of `device`, or of the default device (`default_device`)."""
-    device = device if device is not None else default_device()
-    return backend_of(device.platform if device is not None else jax.default_backend()).value
+    return backend_of(device.platform if device is not None else default_platform()).value
 
 
 def get_device_platform(device: jax.Device | None = None) -> Platform:

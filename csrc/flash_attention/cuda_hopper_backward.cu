@@ -8,7 +8,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -32,7 +31,8 @@ extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStr
 namespace {
 
 constexpr size_t kAlign = 256;
-constexpr int kRowsPerBlock = 8;  // preprocessing: one warp per row
+constexpr int kPreprocessThreads = 256;
+constexpr int kConvertThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -100,39 +100,42 @@ __device__ __forceinline__ float Dot8(const uint4& x, const uint4& y) {
 
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
-// and 0.
+// and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and head_dim / 8 lanes
+// share one, each with 16 bytes of out and dout, so that a warp reads contiguous memory.
+// (With one warp per row in [B, Hq, padded_q] order, half of a d128 warp idled and each row's
+// 256 bytes lay 4 KB from the next.) Rows number below 2^31 (HopperBackwardSupports).
 template <typename T>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) PreprocessKernel(const T* out, const T* dout, const float* lse,
+__global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* out, const T* dout, const float* lse,
                                                                        const float* dlse, float* lse2, float* delta,
-                                                                       int64_t rows, int32_t seqlen_q, int32_t padded_q,
+                                                                       int32_t rows, int32_t seqlen_q, int32_t padded_q,
                                                                        int32_t num_q_heads, int32_t head_dim) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int64_t bh = row / padded_q, i = row % padded_q;
+  const int lanes_per_row = head_dim / 8;
+  const int64_t row64 = static_cast<int64_t>(blockIdx.x) * (kPreprocessThreads / lanes_per_row) + threadIdx.x / lanes_per_row;
+  const int chunk = threadIdx.x % lanes_per_row;
+  // Every lane takes part in the shuffles: rows past the end load nothing and store nothing.
+  const bool real_row = row64 < rows;
+  const int32_t row = real_row ? static_cast<int32_t>(row64) : 0;
+  const int32_t h = row % num_q_heads, bi = row / num_q_heads;
+  const int32_t b = bi / padded_q, i = real_row ? bi % padded_q : seqlen_q;
+  float sum = 0.0f;
+  if (i < seqlen_q) {
+    const int64_t at = ((static_cast<int64_t>(b) * seqlen_q + i) * num_q_heads + h) * head_dim + chunk * 8;
+    sum = Dot8<T>(*reinterpret_cast<const uint4*>(out + at), *reinterpret_cast<const uint4*>(dout + at));
+  }
+  // The same tree as a 32-lane reduction whose upper lanes hold zeros: results are unchanged.
+  for (int width = lanes_per_row / 2; width > 0; width /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+  if (!real_row || chunk != 0) return;
+  const int64_t bh = static_cast<int64_t>(b) * num_q_heads + h;
+  const int64_t padded = bh * padded_q + i;
   if (i >= seqlen_q) {
-    if (lane == 0) {
-      lse2[row] = INFINITY;
-      delta[row] = 0.0f;
-    }
+    lse2[padded] = INFINITY;
+    delta[padded] = 0.0f;
     return;
   }
-  const int64_t b = bh / num_q_heads, h = bh % num_q_heads;
-  const int64_t at = (b * seqlen_q + i) * num_q_heads + h;
-  const T* o = out + at * head_dim;
-  const T* d = dout + at * head_dim;
-  float sum = 0.0f;
-  for (int c = lane; c < head_dim / 8; c += 32) {
-    sum += Dot8<T>(*reinterpret_cast<const uint4*>(o + c * 8), *reinterpret_cast<const uint4*>(d + c * 8));
-  }
-#pragma unroll
-  for (int width = 16; width > 0; width /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, width);
-  if (lane == 0) {
-    const int64_t stat = bh * seqlen_q + i;
-    const float l = lse[stat];
-    lse2[row] = l == -INFINITY ? INFINITY : l * kLog2e;
-    delta[row] = sum - (dlse != nullptr ? dlse[stat] : 0.0f);
-  }
+  const int64_t stat = bh * seqlen_q + i;
+  const float l = lse[stat];
+  lse2[padded] = l == -INFINITY ? INFINITY : l * kLog2e;
+  delta[padded] = sum - (dlse != nullptr ? dlse[stat] : 0.0f);
 }
 
 constexpr int kSinkThreads = 256;
@@ -180,38 +183,62 @@ __global__ void __launch_bounds__(kSinkThreads) SinkGradKernel(const void* sinks
   if (threadIdx.x == 0) dsink[h] = -partial[0];
 }
 
-__device__ __forceinline__ void StorePair(__half* at, float x, float y) {
-  *reinterpret_cast<__half2*>(at) = __floats2half2_rn(x, y);
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float x, float y);
+template <>
+__device__ __forceinline__ uint32_t PackPair<__half>(float x, float y) {
+  const __half2 v = __floats2half2_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ void StorePair(__nv_bfloat16* at, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(x, y);
+template <>
+__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// dq[b, i, h, c..c+1] = scale * the accumulator's pair, read from its tile-major register
-// order (cuda_hopper_backward.cuh): warpgroup w holds a 64 x 64 block, element 4j + 2r + c
-// of thread t is row 16 (t / 32) + (t % 32) / 4 + 8r, column 8j + 2 (t % 4) + c of it.
+// dq = scale * the tile-major accumulator (cuda_hopper_backward.cuh), one block per 64 x 64
+// block of it. Warpgroup w's block holds, as float4 number 128 j + t, rows 16 (t / 32) +
+// (t % 32) / 4 + {0, 8} of columns 8j + 2 (t % 4) + {0, 1}; query tiles of 64 rows hold
+// 64-column blocks of the head dim (one per warpgroup at head dim 128, two at 256), tiles of
+// 128 rows one 64-row block per warpgroup. The block reads it in order (four 16-byte loads
+// per thread), and writes it out through shared memory as whole 128-byte row segments:
+// stored straight from the accumulator's order, each warp instruction wrote 4 bytes into 16
+// rows, at about half the HBM bandwidth.
 template <typename T>
-__global__ void ConvertDqKernel(const float* acc, T* dq, int64_t pairs, int32_t seqlen_q, int32_t num_q_heads,
-                                int32_t head_dim, int32_t block_m, int32_t num_m_blocks, float scale) {
-  for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < pairs;
-       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int col = static_cast<int>(x % (head_dim / 2)) * 2;
-    const int64_t bih = x / (head_dim / 2);
-    const int h = static_cast<int>(bih % num_q_heads);
-    const int64_t bi = bih / num_q_heads;
-    const int i = static_cast<int>(bi % seqlen_q);
-    const int64_t b = bi / seqlen_q;
-    const int m_block = i / block_m, row_in_tile = i % block_m;
-    // Query tiles of 64 rows hold 64-column blocks of the head dim (one per warpgroup at
-    // head dim 128, two at 256), tiles of 128 rows one 64-row block per warpgroup.
-    const int w = block_m == 64 ? col / 64 : row_in_tile / 64;
-    const int row = block_m == 64 ? row_in_tile : row_in_tile % 64;
-    const int c = col % 64;
-    const int t = (row / 16) * 32 + (row % 8) * 4 + (c % 8) / 2;
-    const int e = (c / 8) * 4 + ((row % 16) / 8) * 2;  // element 4j + 2r
-    const int64_t tile = ((b * num_q_heads + h) * num_m_blocks + m_block) * static_cast<int64_t>(block_m) * head_dim;
-    const float2 v = *reinterpret_cast<const float2*>(acc + tile + w * 4096 + ((e / 4) * 128 + t) * 4 + e % 4);
-    StorePair(dq + x * 2, v.x * scale, v.y * scale);
+__global__ void __launch_bounds__(kConvertThreads) ConvertDqKernel(const float* acc, T* dq, int32_t seqlen_q,
+                                                                   int32_t num_q_heads, int32_t head_dim,
+                                                                   int32_t block_m, int32_t num_m_blocks, float scale) {
+  // 64 rows of 128 bytes; the 16-byte chunk k of row r sits at position k ^ (r % 8), so that
+  // both the scattered 4-byte writes and the row reads are free of bank conflicts.
+  __shared__ uint4 staged[64 * 8];
+  uint32_t* staged_words = reinterpret_cast<uint32_t*>(staged);
+  const float4* src = reinterpret_cast<const float4*>(acc) + static_cast<int64_t>(blockIdx.x) * 1024;
+#pragma unroll
+  for (int k = 0; k < 1024 / kConvertThreads; ++k) {
+    const int x = k * kConvertThreads + threadIdx.x;
+    const float4 v = src[x];
+    const int j = x / 128, t = x % 128;
+    const int g = 16 * (t / 32) + (t % 32) / 4;
+    const int word = (j ^ (g % 8)) * 4 + t % 4;
+    staged_words[g * 32 + word] = PackPair<T>(v.x * scale, v.y * scale);
+    staged_words[(g + 8) * 32 + word] = PackPair<T>(v.z * scale, v.w * scale);
+  }
+  __syncthreads();
+  const int32_t blocks_per_tile = block_m * head_dim / 4096;
+  const int32_t tile = blockIdx.x / blocks_per_tile, w = blockIdx.x % blocks_per_tile;
+  const int32_t m_block = tile % num_m_blocks, bh = tile / num_m_blocks;
+  const int32_t b = bh / num_q_heads, h = bh % num_q_heads;
+  const int64_t row_stride = static_cast<int64_t>(num_q_heads) * head_dim;
+  T* head_out = dq + static_cast<int64_t>(b) * seqlen_q * row_stride + static_cast<int64_t>(h) * head_dim +
+                (block_m == 64 ? 64 * w : 0);
+#pragma unroll
+  for (int k = 0; k < 64 * 8 / kConvertThreads; ++k) {
+    const int row = k * (kConvertThreads / 8) + threadIdx.x / 8, chunk = threadIdx.x % 8;
+    const int32_t i = m_block * block_m + (block_m == 64 ? row : 64 * w + row);
+    if (i < seqlen_q) {
+      *reinterpret_cast<uint4*>(head_out + static_cast<int64_t>(i) * row_stride + chunk * 8) =
+          staged[row * 8 + (chunk ^ (row % 8))];
+    }
   }
 }
 
@@ -262,6 +289,10 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
+  const int64_t block_m = hopper_backward::BlockMFor(dims.head_dim);
+  if (dims.batch * dims.num_q_heads * ((dims.seqlen_q + block_m - 1) / block_m * block_m) >= (int64_t{1} << 31)) {
+    return no("batch * num_q_heads * seqlen_q must be below 2^31");
+  }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv}) {
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return no("tensors must be 16-byte aligned");
   }
@@ -333,16 +364,18 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   }
   const int head_dim = static_cast<int>(d.head_dim);
   {
-    const unsigned blocks = static_cast<unsigned>((sl.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    const int rows_per_block = kPreprocessThreads / (head_dim / 8);
+    const unsigned blocks = static_cast<unsigned>((sl.rows + rows_per_block - 1) / rows_per_block);
+    const int32_t rows = static_cast<int32_t>(sl.rows);
     const float* dlse = p.dlse.present() ? p.dlse.ptr<float>() : nullptr;
     if (f16) {
-      PreprocessKernel<__half><<<blocks, kRowsPerBlock * 32, 0, stream>>>(
+      PreprocessKernel<__half><<<blocks, kPreprocessThreads, 0, stream>>>(
           static_cast<const __half*>(f.out.data), static_cast<const __half*>(p.dout.data), f.lse.ptr<float>(), dlse,
-          lse2, delta, sl.rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
+          lse2, delta, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
     } else {
-      PreprocessKernel<__nv_bfloat16><<<blocks, kRowsPerBlock * 32, 0, stream>>>(
+      PreprocessKernel<__nv_bfloat16><<<blocks, kPreprocessThreads, 0, stream>>>(
           static_cast<const __nv_bfloat16*>(f.out.data), static_cast<const __nv_bfloat16*>(p.dout.data),
-          f.lse.ptr<float>(), dlse, lse2, delta, sl.rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
+          f.lse.ptr<float>(), dlse, lse2, delta, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
     }
     EJK_RETURN_IF_ERROR(LastLaunch("preprocess"));
   }
@@ -355,16 +388,15 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   }
   EJK_RETURN_IF_ERROR(LaunchMain(d.head_dim, kp, f16, f.logits_soft_cap > 0.0f, static_cast<int>(d.batch), stream));
   {
-    const int64_t pairs = d.batch * d.seqlen_q * d.num_q_heads * d.head_dim / 2;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((pairs + 255) / 256, 65536));
+    const unsigned blocks = static_cast<unsigned>(sl.rows * head_dim / 4096);  // 64 x 64 blocks
     if (f16) {
-      ConvertDqKernel<__half><<<blocks, 256, 0, stream>>>(kp.dq_accum, static_cast<__half*>(p.dq.data), pairs,
-                                                          kp.seqlen_q, kp.num_q_heads, head_dim, block_m,
-                                                          kp.num_m_blocks, f.softmax_scale);
+      ConvertDqKernel<__half><<<blocks, kConvertThreads, 0, stream>>>(kp.dq_accum, static_cast<__half*>(p.dq.data),
+                                                                     kp.seqlen_q, kp.num_q_heads, head_dim, block_m,
+                                                                     kp.num_m_blocks, f.softmax_scale);
     } else {
-      ConvertDqKernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(kp.dq_accum, static_cast<__nv_bfloat16*>(p.dq.data),
-                                                                 pairs, kp.seqlen_q, kp.num_q_heads, head_dim, block_m,
-                                                                 kp.num_m_blocks, f.softmax_scale);
+      ConvertDqKernel<__nv_bfloat16><<<blocks, kConvertThreads, 0, stream>>>(
+          kp.dq_accum, static_cast<__nv_bfloat16*>(p.dq.data), kp.seqlen_q, kp.num_q_heads, head_dim, block_m,
+          kp.num_m_blocks, f.softmax_scale);
     }
     EJK_RETURN_IF_ERROR(LastLaunch("dq conversion"));
   }

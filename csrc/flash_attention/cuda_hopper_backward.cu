@@ -103,17 +103,24 @@ __device__ __forceinline__ float Dot8(const uint4& x, const uint4& y) {
 // and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and head_dim / 8 lanes
 // share one, each with 16 bytes of out and dout, so that a warp reads contiguous memory.
 // (With one warp per row in [B, Hq, padded_q] order, half of a d128 warp idled and each row's
-// 256 bytes lay 4 KB from the next.) Rows number below 2^31 (HopperBackwardSupports).
+// 256 bytes lay 4 KB from the next.) Each thread also zeroes 8 floats of the dQ accumulator
+// (rows * head_dim of them), which saves a separate pass over it. Rows number below 2^31
+// (HopperBackwardSupports).
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* out, const T* dout, const float* lse,
                                                                        const float* dlse, float* lse2, float* delta,
-                                                                       int32_t rows, int32_t seqlen_q, int32_t padded_q,
-                                                                       int32_t num_q_heads, int32_t head_dim) {
+                                                                       float* dq_accum, int32_t rows, int32_t seqlen_q,
+                                                                       int32_t padded_q, int32_t num_q_heads,
+                                                                       int32_t head_dim) {
   const int lanes_per_row = head_dim / 8;
   const int64_t row64 = static_cast<int64_t>(blockIdx.x) * (kPreprocessThreads / lanes_per_row) + threadIdx.x / lanes_per_row;
   const int chunk = threadIdx.x % lanes_per_row;
   // Every lane takes part in the shuffles: rows past the end load nothing and store nothing.
   const bool real_row = row64 < rows;
+  if (real_row) {
+    float4* zero = reinterpret_cast<float4*>(dq_accum) + (row64 * lanes_per_row + chunk) * 2;
+    zero[0] = zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   const int32_t row = real_row ? static_cast<int32_t>(row64) : 0;
   const int32_t h = row % num_q_heads, bi = row / num_q_heads;
   const int32_t b = bi / padded_q, i = real_row ? bi % padded_q : seqlen_q;
@@ -356,7 +363,6 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
                               : Status::Internal(std::string("hopper flash attention backward: memset failed: ") +
                                                  cudaGetErrorString(err));
   };
-  EJK_RETURN_IF_ERROR(zero(kp.dq_accum, sl.dq_bytes));
   if (d.varlen) {
     // Keys outside every sequence get no block: their dK and dV are zero.
     EJK_RETURN_IF_ERROR(zero(p.dk.data, p.dk.SizeBytes()));
@@ -371,11 +377,11 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     if (f16) {
       PreprocessKernel<__half><<<blocks, kPreprocessThreads, 0, stream>>>(
           static_cast<const __half*>(f.out.data), static_cast<const __half*>(p.dout.data), f.lse.ptr<float>(), dlse,
-          lse2, delta, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
+          lse2, delta, kp.dq_accum, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
     } else {
       PreprocessKernel<__nv_bfloat16><<<blocks, kPreprocessThreads, 0, stream>>>(
           static_cast<const __nv_bfloat16*>(f.out.data), static_cast<const __nv_bfloat16*>(p.dout.data),
-          f.lse.ptr<float>(), dlse, lse2, delta, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
+          f.lse.ptr<float>(), dlse, lse2, delta, kp.dq_accum, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
     }
     EJK_RETURN_IF_ERROR(LastLaunch("preprocess"));
   }

@@ -14,6 +14,7 @@
 
 #include "flash_attention/cuda_head_dims.h"
 #include "flash_attention/cuda_hopper_backward.cuh"
+#include "runtime/cuda_mma.h"
 
 namespace ejk::flash_attention {
 namespace hopper_backward {
@@ -190,19 +191,6 @@ __global__ void __launch_bounds__(kSinkThreads) SinkGradKernel(const void* sinks
   if (threadIdx.x == 0) dsink[h] = -partial[0];
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float x, float y);
-template <>
-__device__ __forceinline__ uint32_t PackPair<__half>(float x, float y) {
-  const __half2 v = __floats2half2_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float x, float y) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // dq = scale * the tile-major accumulator (cuda_hopper_backward.cuh), one block per 64 x 64
 // block of it. Warpgroup w's block holds, as float4 number 128 j + t, rows 16 (t / 32) +
 // (t % 32) / 4 + {0, 8} of columns 8j + 2 (t % 4) + {0, 1}; query tiles of 64 rows hold
@@ -227,8 +215,8 @@ __global__ void __launch_bounds__(kConvertThreads) ConvertDqKernel(const float* 
     const int j = x / 128, t = x % 128;
     const int g = 16 * (t / 32) + (t % 32) / 4;
     const int word = (j ^ (g % 8)) * 4 + t % 4;
-    staged_words[g * 32 + word] = PackPair<T>(v.x * scale, v.y * scale);
-    staged_words[(g + 8) * 32 + word] = PackPair<T>(v.z * scale, v.w * scale);
+    staged_words[g * 32 + word] = cuda::PackFloat2<T>(v.x * scale, v.y * scale);
+    staged_words[(g + 8) * 32 + word] = cuda::PackFloat2<T>(v.z * scale, v.w * scale);
   }
   __syncthreads();
   const int32_t blocks_per_tile = block_m * head_dim / 4096;

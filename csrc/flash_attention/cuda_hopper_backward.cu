@@ -89,16 +89,6 @@ ScratchLayout ScratchFor(const Dims& d) {
   return s;
 }
 
-template <typename T>
-__device__ __forceinline__ float Dot8(const uint4& x, const uint4& y) {
-  const T* a = reinterpret_cast<const T*>(&x);
-  const T* b = reinterpret_cast<const T*>(&y);
-  float sum = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sum = fmaf(static_cast<float>(a[e]), static_cast<float>(b[e]), sum);
-  return sum;
-}
-
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
 // and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and head_dim / 8 lanes
@@ -128,7 +118,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* 
   float sum = 0.0f;
   if (i < seqlen_q) {
     const int64_t at = ((static_cast<int64_t>(b) * seqlen_q + i) * num_q_heads + h) * head_dim + chunk * 8;
-    sum = Dot8<T>(*reinterpret_cast<const uint4*>(out + at), *reinterpret_cast<const uint4*>(dout + at));
+    sum = cuda::Dot8<T>(*reinterpret_cast<const uint4*>(out + at), *reinterpret_cast<const uint4*>(dout + at));
   }
   // The same tree as a 32-lane reduction whose upper lanes hold zeros: results are unchanged.
   for (int width = lanes_per_row / 2; width > 0; width /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, width);
@@ -284,8 +274,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
-  const int64_t block_m = hopper_backward::BlockMFor(dims.head_dim);
-  if (dims.batch * dims.num_q_heads * ((dims.seqlen_q + block_m - 1) / block_m * block_m) >= (int64_t{1} << 31)) {
+  if (hopper_backward::ScratchFor(dims).rows >= (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv}) {

@@ -44,16 +44,6 @@ constexpr int kRowsPerBlock = 8;  // preprocessing: one warp per row
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-template <typename T>
-__device__ __forceinline__ float Dot8(const uint4& x, const uint4& y) {
-  const T* a = reinterpret_cast<const T*>(&x);
-  const T* b = reinterpret_cast<const T*>(&y);
-  float sum = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sum = fmaf(static_cast<float>(a[e]), static_cast<float>(b[e]), sum);
-  return sum;
-}
-
 // delta = rowsum(dout * out) - dlse and lse in log2 units (-inf, a row that saw nothing, as
 // +inf so that every recomputed P of it is 0), both [B, Hq, Sq]; rows in q's layout order.
 template <typename T>
@@ -68,7 +58,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) PreprocessKernel(const T* 
   const T* d = dout + row * head_dim;
   float sum = 0.0f;
   for (int c = lane; c < head_dim / 8; c += 32) {
-    sum += Dot8<T>(*reinterpret_cast<const uint4*>(o + c * 8), *reinterpret_cast<const uint4*>(d + c * 8));
+    sum += cuda::Dot8<T>(*reinterpret_cast<const uint4*>(o + c * 8), *reinterpret_cast<const uint4*>(d + c * 8));
   }
   sum = cuda::LaneReduceSum(sum, 16);
   if (lane == 0) {

@@ -86,6 +86,18 @@ __device__ __forceinline__ uint32_t PackFloat2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Dot product of two rows of eight 16-bit values (16 bytes each), accumulated in float in
+// element order.
+template <typename Element>
+__device__ __forceinline__ float Dot8(const uint4& x, const uint4& y) {
+  const Element* a = reinterpret_cast<const Element*>(&x);
+  const Element* b = reinterpret_cast<const Element*>(&y);
+  float sum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sum = fmaf(static_cast<float>(a[e]), static_cast<float>(b[e]), sum);
+  return sum;
+}
+
 // 16-byte global -> shared copy that bypasses L1; when !valid the destination is zero-filled
 // and the source is not read.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {

@@ -4,7 +4,7 @@
 // tile in shared memory and dK, dV in registers, and walks every query tile that can see its
 // keys, for every query head of the kv group (GQA never materialises per-q-head dK/dV):
 //   warp 0       loads K and V once, then Q, dO (TMA) and the rows' lse and D (bulk copies)
-//                of each query tile into a 2-stage ring guarded by mbarriers;
+//                of each query tile into a 2- or 3-stage ring guarded by mbarriers;
 //   warpgroups 1 and 2  consumers. Head dims 64/128 (kBlockN = 128, 64 keys each): S^T =
 //                K Q^T and dP^T = V dO^T (wgmma, both operands from shared memory), P^T =
 //                exp2(S^T * scale * log2 e - lse) and dS^T = P^T (dP^T - D) in registers,
@@ -101,21 +101,33 @@ struct Layout {
   static constexpr int kQTileBytes = kColBlocks * kQBlockBytes;
   static constexpr int kDsBlockBytes = kBlockN * 128;  // dS^T (and P^T): kBlockN keys x 64 queries
   static constexpr int kDsBytes = kBlockM / 64 * kDsBlockBytes;
+  // Split keys at head dim 128: the dQ of item i is issued with item i + 1's products (see the
+  // kernel), so a dS^T buffer is rewritten only once both warpgroups' products from it are
+  // complete: three buffers. (Head dim 64 measured 3-7% slower that way.)
+  static constexpr bool kLateDq = kHeadDim == 128;
+  static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kHeadDim;
+  // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
+  static constexpr int BytesFor(int stages) {
+    return 2 * kKvTileBytes + stages * 2 * kQTileBytes + kDsBuffers * kDsBytes + (kSplitQueries ? 2 * kDsBytes : 0) +
+           stages * 2 * kBlockM * 4 + 8 * (1 + 3 * stages) + 1024;
+  }
+  // A third stage where it fits (head dim 128): the next items' loads then start two items ahead.
+  static constexpr int kStages = BytesFor(3) <= 232448 ? 3 : 2;
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKvTileBytes;
-  static constexpr int kQ = kV + kKvTileBytes;       // 2 stages
-  static constexpr int kDo = kQ + 2 * kQTileBytes;   // 2 stages
-  static constexpr int kDs = kDo + 2 * kQTileBytes;  // 2 buffers
-  static constexpr int kP = kDs + 2 * kDsBytes;      // 2 buffers, split queries only
-  static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);  // 2 stages
-  static constexpr int kDelta = kLse + 2 * kBlockM * 4;                 // 2 stages
-  static constexpr int kBarriers = kDelta + 2 * kBlockM * 4;
-  // kv_full, q_full[2], do_full[2], empty[2].
-  static constexpr int kBytes = kBarriers + 8 * 7;
+  static constexpr int kQ = kV + kKvTileBytes;
+  static constexpr int kDo = kQ + kStages * kQTileBytes;
+  static constexpr int kDs = kDo + kStages * kQTileBytes;
+  static constexpr int kP = kDs + kDsBuffers * kDsBytes;  // 2 buffers, split queries only
+  static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);
+  static constexpr int kDelta = kLse + kStages * kBlockM * 4;
+  static constexpr int kBarriers = kDelta + kStages * kBlockM * 4;
+  // kv_full, q_full[kStages], do_full[kStages], empty[kStages].
+  static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
-  static_assert(kAllocBytes <= 232448, "shared memory");
+  static_assert(kAllocBytes <= 232448 && kAllocBytes == BytesFor(kStages), "shared memory");
 };
 
 // Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
@@ -234,8 +246,9 @@ __device__ __forceinline__ int FindSequence(const KernelParams& p, int x, int la
   return lo;
 }
 
-// Named barriers (0 is __syncthreads).
-constexpr int kBarDsReady = 1;  // both consumer warpgroups stored dS^T (256 threads)
+// Named barriers (0 is __syncthreads), 256 threads each.
+constexpr int kBarDsReady = 1;   // split queries: both consumer warpgroups stored dS^T
+constexpr int kBarDsStored = 2;  // split keys: + 2 wg + item parity: warpgroup wg stored its dS^T
 
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
@@ -260,8 +273,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   const auto ds_smem = [&](int s) { return smem + L::kDs + s * L::kDsBytes; };
   const uint32_t kv_full = smem + L::kBarriers;
   const auto q_full = [&](int s) { return kv_full + 8 * (1 + s); };
-  const auto do_full = [&](int s) { return kv_full + 8 * (3 + s); };
-  const auto empty = [&](int s) { return kv_full + 8 * (5 + s); };
+  const auto do_full = [&](int s) { return kv_full + 8 * (1 + L::kStages + s); };
+  const auto empty = [&](int s) { return kv_full + 8 * (1 + 2 * L::kStages + s); };
 
   // Block order: sections of p.section (batch, kv head) pairs; inside one, key tile 0 (the
   // longest under a causal mask) of every pair, then tile 1, ... Blocks are dispatched in
@@ -307,7 +320,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   if (threadIdx.x == 0) {
     MbarInit(kv_full, 1);
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < L::kStages; ++s) {
       MbarInit(q_full(s), 1);
       MbarInit(do_full(s), 1);
       MbarInit(empty(s), 256);  // one arrival per consumer thread
@@ -333,8 +346,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         TmaLoad4d(v_smem + cb * L::kKvBlockBytes, &p.tma_v, kv_full, cb * 64, kv_head, k_begin + n0, batch);
       }
       for (int it = 0; it < items; ++it) {
-        const int s = it & 1;
-        const uint32_t phase = (it >> 1) & 1;
+        const int s = it % L::kStages;
+        const uint32_t phase = (it / L::kStages) & 1;
         const int head = kv_head * p.group + it / m_count;
         const int m0 = (m_lo + it % m_count) * kBlockM;
         const int64_t row = (static_cast<int64_t>(batch) * p.num_q_heads + head) * p.padded_q + m0;
@@ -408,10 +421,29 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     for (int j = 0; j < 8; ++j) RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
   };
 
+  // Split keys: the dQ of an item is dS K over both warpgroups' keys (this warpgroup's 64 x 64
+  // block of it), so it waits for the other warpgroup's dS^T. With kLateDq it is issued with
+  // the next item's dV and dK, by when that dS^T is long stored: the warpgroups do not meet
+  // midway, and one's element-wise work can run under the other's products. Each
+  // warpgroup signals its stores on its own barrier per item parity; waiting for the other's
+  // item i - 1 before signalling item i keeps at most one signal per barrier pending.
+  const auto wait_other_ds = [&](int item) { NamedBarrierSync(kBarDsStored + 2 * (1 - wg) + (item & 1), 256); };
+  const auto issue_dq = [&](float (&dq)[32], int buffer) {
+    constexpr int kDqRowBlocks = kBlockM / 64;
+    const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
+    const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
+    const uint32_t ds = smem + L::kDs + buffer * L::kDsBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_a = MakeDescriptor(ds + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
+      const uint64_t desc_b = MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
+      WgmmaSST<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
+    }
+  };
   if (items > 0) MbarWait(kv_full, 0);
   for (int it = 0; it < items; ++it) {
-    const int s = it & 1;
-    const uint32_t phase = (it >> 1) & 1;
+    const int s = it % L::kStages;
+    const uint32_t phase = (it / L::kStages) & 1;
     const int m0 = (m_lo + it % m_count) * kBlockM - q_begin;  // local to the sequence
     if constexpr (kSplitQueries) {
       // S^T and dP^T for the block's 64 keys x this warpgroup's 32 queries.
@@ -513,11 +545,12 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           }
         }
       };
+      // Both tiles before either product: one commit group for S^T and dP^T measured 2-7%
+      // faster than waiting for dO between the two.
       MbarWait(q_full(s), phase);
+      MbarWait(do_full(s), phase);
       WgmmaFence();
       issue_scores(sc, k_smem, q_smem(s));
-      WgmmaCommit();
-      MbarWait(do_full(s), phase);
       issue_scores(dp, v_smem, do_smem(s));
       WgmmaCommit();
       WgmmaWait<0>();
@@ -551,9 +584,11 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       }
       // dS^T into shared memory, [query block][key][64 queries] in the 128-byte swizzle: the
       // pair (key, queries 8j + 2 t4 + {0, 1}) sits in 16-byte chunk (j % 8) ^ (key % 8), and
-      // key % 8 == g.
+      // key % 8 == g. With kLateDq the buffer held item it - 3, whose dQ both warpgroups
+      // completed before the other one stored item it - 1's dS^T.
+      if (L::kLateDq && it > 0) wait_other_ds(it - 1);
       {
-        uint8_t* ds_base = smem_ptr + L::kDs + (it & 1) * L::kDsBytes;
+        uint8_t* ds_base = smem_ptr + L::kDs + (it % L::kDsBuffers) * L::kDsBytes;
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -565,34 +600,33 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         }
       }
       FenceProxyAsyncShared();
+      NamedBarrierArrive(kBarDsStored + 2 * wg + (it & 1), 256);
 
-      // dV += P^T dO, dK += dS^T Q.
-      WgmmaFence();
+      // dV += P^T dO, dK += dS^T Q, and dQ.
+      const auto issue_dv_dk = [&] {
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
-        WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
-      }
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+          const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
+          WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+        }
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
-        WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
-      }
-      WgmmaCommit();
-
-      // dQ = dS K for this warpgroup's 64 x 64 block, once both warpgroups stored dS^T.
-      constexpr int kDqRowBlocks = kBlockM / 64;
-      const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
-      const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
-      NamedBarrierSync(kBarDsReady, 256);
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+          const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
+          WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+        }
+      };
       float dq[32];
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t desc_a =
-            MakeDescriptor(ds_smem(it & 1) + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
-        const uint64_t desc_b =
-            MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
-        WgmmaSST<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
+      WgmmaFence();
+      issue_dv_dk();
+      if constexpr (L::kLateDq) {
+        // The previous item's dQ. Item 0 computes a discarded one from buffer 2, not written
+        // before item 2: a branch around part of the products would make ptxas serialise every
+        // wgmma. (Issuing it first and reducing it while dV and dK run measured 1-10% slower.)
+        issue_dq(dq, (it + L::kDsBuffers - 1) % L::kDsBuffers);
+      } else {
+        WgmmaCommit();
+        wait_other_ds(it);
+        issue_dq(dq, it % L::kDsBuffers);
       }
       WgmmaCommit();
       WgmmaWait<0>();
@@ -606,7 +640,19 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // itself: a warp-level handoff left racecheck reporting these reads in some runs.
       FenceProxyAsyncShared();
       MbarArrive(empty(s));
-      add_dq(dq, it, wg);
+      if (!L::kLateDq || it > 0) add_dq(dq, L::kLateDq ? it - 1 : it, wg);
+    }
+  }
+  if constexpr (L::kLateDq) {
+    if (items > 0) {  // the last item's dQ
+      float dq[32];
+      wait_other_ds(items - 1);
+      WgmmaFence();
+      issue_dq(dq, (items - 1) % L::kDsBuffers);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegisters(dq);
+      add_dq(dq, items - 1, wg);
     }
   }
 

@@ -432,10 +432,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     constexpr int kDqRowBlocks = kBlockM / 64;
     const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
     const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
-    const uint32_t ds = smem + L::kDs + buffer * L::kDsBytes;
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_a = MakeDescriptor(ds + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
+      const uint64_t desc_a = MakeDescriptor(ds_smem(buffer) + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
       const uint64_t desc_b = MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
       WgmmaSST<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
     }

@@ -602,21 +602,18 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       NamedBarrierArrive(kBarDsStored + 2 * wg + (it & 1), 256);
 
       // dV += P^T dO, dK += dS^T Q, and dQ.
-      const auto issue_dv_dk = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-          const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
-          WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
-        }
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-          const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
-          WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
-        }
-      };
       float dq[32];
       WgmmaFence();
-      issue_dv_dk();
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        const uint32_t a[4] = {pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3]};
+        WgmmaRS<kF16>(dv, a, MakeDescriptor(do_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        const uint32_t a[4] = {pds[4 * kk], pds[4 * kk + 1], pds[4 * kk + 2], pds[4 * kk + 3]};
+        WgmmaRS<kF16>(dk, a, MakeDescriptor(q_smem(s) + kk * 16 * 128, L::kQBlockBytes, 1024), 1);
+      }
       if constexpr (L::kLateDq) {
         // The previous item's dQ. Item 0 computes a discarded one from buffer 2, not written
         // before item 2: a branch around part of the products would make ptxas serialise every

@@ -44,12 +44,14 @@ class Case:
     causal: bool = False
     window: int = -1  # left window (with causal), -1: none
     varlen: bool = False  # pack `batch` sequences of random lengths into one row
+    segments: int = 0  # segment ids: this many documents of random lengths in each row
 
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads or self.heads
 
     def visible_pairs(self, lengths: list[int] | None = None) -> float:
+        # With segment ids, `lengths` are the documents of every row.
         seqs = lengths or [self.seqlen] * self.batch
         total = 0.0
         for s in seqs:
@@ -82,6 +84,7 @@ def extra_cases() -> list[Case]:
         Case("full_causal_16k", 1, 16384, 16, 128, causal=True),
         Case("window_1024_16k", 1, 16384, 16, 128, causal=True, window=1024),
         Case("varlen", 16, 2048, 16, 128, causal=True, varlen=True),
+        Case("segments", 4, 4096, 16, 128, causal=True, segments=4),
     ]
 
 
@@ -98,14 +101,27 @@ def _inputs(case: Case, rng: np.random.Generator):
         # Random lengths around seqlen, summing to the packed row.
         cuts = np.sort(rng.choice(np.arange(1, s), case.batch - 1, replace=False))
         lengths = np.diff(np.concatenate([[0], cuts, [s]])).tolist()
+    if case.segments:
+        # Documents of random lengths, the same in every row (their lengths give the FLOPs).
+        cuts = np.sort(rng.choice(np.arange(1, s), case.segments - 1, replace=False))
+        doc = np.diff(np.concatenate([[0], cuts, [s]]))
+        lengths = doc.tolist() * case.batch
     return q, k, v, g, lengths
+
+
+def _segment_ids(case: Case, lengths) -> jax.Array:
+    ids = np.repeat(np.arange(case.segments), lengths[: case.segments])
+    return jnp.asarray(np.broadcast_to(ids, (case.batch, case.seqlen)), jnp.int32)
 
 
 def _ours(case: Case, lengths) -> Callable:
     kw: dict[str, Any] = dict(causal=case.causal, platform="cuda")
     if case.window >= 0:
         kw["sliding_window"] = (case.window, 0)
-    if lengths is not None:
+    if case.segments:
+        ids = _segment_ids(case, lengths)
+        kw.update(q_segment_ids=ids, kv_segment_ids=ids)
+    elif lengths is not None:
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
         kw.update(cum_seqlens_q=cu, cum_seqlens_k=cu)
     return lambda q, k, v: flash_attention(q, k, v, **kw)
@@ -121,6 +137,11 @@ def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
     kw: dict[str, Any] = dict(is_causal=case.causal, implementation=implementation)
     if case.window >= 0:
         kw["local_window_size"] = (case.window, 0)
+    if case.segments:
+        # Segment ids as a boolean mask [B, 1, S, S], built inside the timed function.
+        ids = _segment_ids(case, lengths)
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=(ids[:, :, None] == ids[:, None, :])[:, None], **kw)
     if lengths is not None:
         # Padded layout [num_seqs, max_len] with per-sequence lengths: what cuDNN offers for varlen.
         return None
@@ -131,7 +152,7 @@ def _pallas_mgpu(case: Case, lengths) -> Callable | None:
     """JAX's Pallas Mosaic GPU attention (Hopper); it applies no softmax scale, so q is scaled.
     It takes float16 only (this JAX rejects bfloat16), so it is timed on float16 copies."""
     if lengths is not None or case.window >= 0:
-        return None
+        return None  # packed sequences, segment ids, windows: not in this kernel
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     blocks = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64) if not case.causal else {}
@@ -144,12 +165,13 @@ def _pallas_mgpu(case: Case, lengths) -> Callable | None:
 def _pallas_triton(case: Case, lengths) -> Callable | None:
     """JAX's Pallas Triton attention (any NVIDIA GPU); no GQA, no window. Timed only at
     d=128, where the Mosaic GPU kernel is the stronger Pallas anchor elsewhere too."""
-    if lengths is not None or case.window >= 0 or case.num_kv_heads != case.heads or case.head_dim != 128:
+    if case.varlen or case.window >= 0 or case.num_kv_heads != case.heads or case.head_dim != 128:
         return None
     from jax.experimental.pallas.ops.gpu import attention
 
     scale = 1.0 / math.sqrt(case.head_dim)
-    return lambda q, k, v: attention.mha(q, k, v, segment_ids=None, sm_scale=scale, causal=case.causal)
+    ids = _segment_ids(case, lengths) if case.segments else None
+    return lambda q, k, v: attention.mha(q, k, v, segment_ids=ids, sm_scale=scale, causal=case.causal)
 
 
 def _fwd_bwd(fn: Callable) -> Callable:

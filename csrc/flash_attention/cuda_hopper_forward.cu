@@ -88,6 +88,8 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   kp->cu_seqlens_q = nullptr;
   kp->cu_seqlens_k = nullptr;
   kp->num_sequences = 0;
+  kp->q_segment_ids = p.q_segment_ids.present() ? p.q_segment_ids.ptr<int>() : nullptr;
+  kp->kv_segment_ids = p.kv_segment_ids.present() ? p.kv_segment_ids.ptr<int>() : nullptr;
   if (d.varlen) {
     kp->cu_seqlens_q = p.cu_seqlens_q.ptr<int>();
     kp->cu_seqlens_k = p.cu_seqlens_k.ptr<int>();
@@ -127,6 +129,8 @@ bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_se
   return !IsBand(left, right, args.dims.seqlen_k);
 }
 
+bool CausalOrWindow(const ForwardParams& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
+
 StatusOr<int> CurrentDeviceSms() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -149,7 +153,6 @@ Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major
   }
   if (p.bias.present()) return no("bias is not supported");
   if (p.mask.present()) return no("mask is not supported");
-  if (p.q_segment_ids.present() || p.kv_segment_ids.present()) return no("segment ids are not supported");
   if (p.dropout_prob > 0.0f) return no("dropout is not supported");
   if (!(p.softmax_scale > 0.0f)) return no("softmax_scale must be positive");
   if (dims.seqlen_k == 0) return no("seqlen_k must be positive");

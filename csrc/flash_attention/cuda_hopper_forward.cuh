@@ -101,7 +101,7 @@ struct ShortConfig<128, false> {
   static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2, kMaxPairedMBlocks = 0, kMaxSeqlen = 1024;
 };
 
-template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_>
+template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, bool kSegments = false>
 struct SmemLayout {
   static constexpr int kBlockM = 64 * kWarpgroups;
   static constexpr int kBlockN = kBlockN_;
@@ -119,9 +119,11 @@ struct SmemLayout {
   static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
   static constexpr int kKvBytes = 2 * kStages * kKvTileBytes;
   static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
+  // Segment ids: the kv segment ids of each stage's key tile (kSegments kernels).
+  static constexpr int kSegmentBytes = kSegments ? kStages * kBlockN * 4 : 0;
   // Two Q slots where shared memory allows: the next tile's Q loads during the current tile,
   // and a finished tile's slot stages its O for a bulk tensor store.
-  static constexpr int kQStages = 2 * kQTileBytes + kKvBytes + kBarrierBytes + 1024 <= 232448 ? 2 : 1;
+  static constexpr int kQStages = 2 * kQTileBytes + kKvBytes + kBarrierBytes + kSegmentBytes + 1024 <= 232448 ? 2 : 1;
   // Causal tiles of short sequences on a persistent grid in pairs (ScheduledTile), where the
   // next tile's Q can load early (two Q slots). d256 (one Q slot) measured 3% slower paired at
   // 32 x 512 on H100; with three consumer warpgroups (d64) the pairing code alone slowed the
@@ -135,12 +137,14 @@ struct SmemLayout {
   // for this path, unused there but for packed sequences, measured ~1% slower (code size).
   static constexpr int kWarpStoreBytes = 16 * 128;
   static constexpr bool kWarpStaging = kQStages == 1 && kVOffset + kStages * kKvTileBytes +
-                                                            4 * kWarpgroups * kWarpStoreBytes + kBarrierBytes + 1024 <=
+                                                            4 * kWarpgroups * kWarpStoreBytes + kBarrierBytes +
+                                                            kSegmentBytes + 1024 <=
                                                         232448;
   static constexpr int kWarpStoreOffset = kVOffset + kStages * kKvTileBytes;
   static constexpr int kBarrierOffset = kWarpStoreOffset + (kWarpStaging ? 4 * kWarpgroups * kWarpStoreBytes : 0);
   // q_full, q_empty per Q slot (two, used or not), then k_full, k_empty, v_full, v_empty per stage.
-  static constexpr int kBytes = kBarrierOffset + kBarrierBytes;
+  static constexpr int kSegmentOffset = kBarrierOffset + kBarrierBytes;
+  static constexpr int kBytes = kSegmentOffset + kSegmentBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "tile");
   static_assert(kAllocBytes <= 232448, "shared memory");
@@ -167,6 +171,8 @@ struct KernelParams {
   const int* cu_seqlens_q;  // packed sequences (device memory), or null
   const int* cu_seqlens_k;
   int num_sequences;
+  const int* q_segment_ids;   // [B, Sq] and [B, Sk] (kSegments kernels; never with packed sequences)
+  const int* kv_segment_ids;
   int64_t out_row_stride, out_batch_stride;  // elements
   float softcap_pre;   // scale / cap (soft cap only)
   float logit_scale;   // maps the (capped) score to the log2 domain
@@ -573,11 +579,12 @@ __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* h
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap>
+// kSegments: segment ids, masked element-wise in every key tile (dense calls only).
+template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap, bool kSegments>
 __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
   using namespace device;
-  using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages>;
+  using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages, kSegments>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kColBlocks = L::kColBlocks;
   constexpr bool kPairedSchedule = L::kPairedSchedule;
@@ -587,11 +594,11 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   // skipping it took 4-9% off the forward (H100, 4 x 4096); at d64 and d128 it measured
   // within noise or slower (the vote and the branch cost what the multiplies did), so 0 there.
   constexpr float kMaxSlack = kHeadDim >= 256 ? 8.0f : 0.0f;
-  // Partial last key tiles (see issue_qk); not with three consumer warpgroups (d64)
-  // or a soft cap, whose registers cannot hold the extra wgmma code paths: ptxas would
+  // Partial last key tiles (see issue_qk); not with three consumer warpgroups (d64), a soft
+  // cap or segment ids, whose registers cannot hold the extra wgmma code paths: ptxas would
   // serialise every wgmma of the kernel.
   constexpr int kPartialN = 64;
-  constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap;
+  constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap && !kSegments;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -615,10 +622,12 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
+      // With segment ids every thread that writes or reads a stage's ids arrives on its V
+      // barriers itself (the producer warp's 32 lanes, each consumer thread).
       MbarInit(k_full(s), 1);
-      MbarInit(v_full(s), 1);
+      MbarInit(v_full(s), kSegments ? 32 : 1);
       MbarInit(k_empty(s), 4 * kWarpgroups);
-      MbarInit(v_empty(s), 4 * kWarpgroups);
+      MbarInit(v_empty(s), kSegments ? 128 * kWarpgroups : 4 * kWarpgroups);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     PrefetchTmaDescriptor(&p.tma_q);
@@ -635,6 +644,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     // Producer.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(L::kProducerRegisters));
     if (threadIdx.x < 32) {  // one warp decodes tiles, its first lane issues the copies
+      // With segment ids the whole warp copies each key tile's ids into shared memory, guarded
+      // by the tile's V barrier: V is held until the tile's P V has completed, long after its
+      // softmax has read the ids.
+      const bool issuer = kSegments ? lane == 0 : true;
       int kv_iter = 0, q_iter = 0;
       for (int round = 0;; ++round) {
         const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
@@ -643,33 +656,51 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         const Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
         int head, batch;
         TileHead(p, tile, &head, &batch);
-        if (t.n_count == 0 || lane != 0) {
+        if (t.n_count == 0 || (!kSegments && lane != 0)) {
           kv_iter += t.n_count;
           q_iter += t.n_count > 0;
           continue;
         }
         const int q_slot = q_iter % kQStages;
-        MbarWait(q_empty(q_slot), ((q_iter / kQStages) & 1) ^ 1);
-        ++q_iter;
-        MbarExpectTx(q_full(q_slot), L::kQTileBytes);
+        if (issuer) {
+          MbarWait(q_empty(q_slot), ((q_iter / kQStages) & 1) ^ 1);
+          MbarExpectTx(q_full(q_slot), L::kQTileBytes);
 #pragma unroll
-        for (int b = 0; b < kColBlocks; ++b) {
-          TmaLoad4d(q_smem(q_slot) + b * L::kQBlockBytes, &p.tma_q, q_full(q_slot), b * 64, head, t.q_begin + t.m0,
-                    batch);
+          for (int b = 0; b < kColBlocks; ++b) {
+            TmaLoad4d(q_smem(q_slot) + b * L::kQBlockBytes, &p.tma_q, q_full(q_slot), b * 64, head, t.q_begin + t.m0,
+                      batch);
+          }
         }
+        ++q_iter;
         const int kv_head = head / p.head_ratio;
         for (int it = 0; it < t.n_count; ++it, ++kv_iter) {
           const int n = t.n_end - 1 - it;
           const int s = kv_iter % kStages;
           const uint32_t phase = (kv_iter / kStages) & 1;
-          MbarWait(k_empty(s), phase ^ 1);
-          MbarExpectTx(k_full(s), L::kKvTileBytes);
+          if (issuer) {
+            MbarWait(k_empty(s), phase ^ 1);
+            MbarExpectTx(k_full(s), L::kKvTileBytes);
 #pragma unroll
-          for (int b = 0; b < kColBlocks; ++b) {
-            TmaLoad4d(k_smem + s * L::kKvTileBytes + b * L::kKvBlockBytes, &p.tma_k, k_full(s), b * 64, kv_head,
-                      t.k_begin + n * kBlockN, batch);
+            for (int b = 0; b < kColBlocks; ++b) {
+              TmaLoad4d(k_smem + s * L::kKvTileBytes + b * L::kKvBlockBytes, &p.tma_k, k_full(s), b * 64, kv_head,
+                        t.k_begin + n * kBlockN, batch);
+            }
           }
           MbarWait(v_empty(s), phase ^ 1);
+          if constexpr (kSegments) {
+            // Keys past the sequence get any id: the kernel masks them by position.
+            const int* ids = p.kv_segment_ids + static_cast<int64_t>(batch) * p.seqlen_k;
+            int* stage_ids = reinterpret_cast<int*>(smem_raw + (smem - SmemAddr(smem_raw)) + L::kSegmentOffset) +
+                             s * kBlockN;
+            for (int i = lane; i < kBlockN; i += 32) {
+              const int key = n * kBlockN + i;
+              stage_ids[i] = key < t.k_len ? __ldg(ids + key) : 0;
+            }
+            if (!issuer) {  // lane 0 arrives with the transaction bytes below
+              MbarArrive(v_full(s));
+              continue;
+            }
+          }
           MbarExpectTx(v_full(s), L::kKvTileBytes);
 #pragma unroll
           for (int b = 0; b < kColBlocks; ++b) {
@@ -696,6 +727,13 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     __syncwarp();
     if (lane == 0) MbarArrive(bar);
   };
+  const auto release_v = [&](uint32_t bar) {
+    if constexpr (kSegments) {
+      MbarArrive(bar);  // after this thread's reads of the stage's segment ids
+    } else {
+      release(bar);
+    }
+  };
 
   // With two Q slots and dense rows, O leaves through the tile's Q slot: the warpgroup writes
   // its rows there and one thread issues a bulk tensor store (rows past the sequence are
@@ -717,6 +755,17 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     int q_slot = -1;  // this tile's Q slot, if it has key tiles
     // Accumulator fragment (per warp 16 rows): element 4j + 2r + c is row g + 8r, column 8j + 2t + c.
     const int row0 = tl.m0 + wg * 64 + warp * 16 + lane / 4;
+    // This thread's rows' segment ids (rows past the sequence are never stored).
+    int q_segment[2] = {0, 0};
+    if constexpr (kSegments) {
+      int head, batch;
+      TileHead(p, tile, &head, &batch);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row < tl.q_len) q_segment[r] = __ldg(p.q_segment_ids + static_cast<int64_t>(batch) * p.seqlen_q + row);
+      }
+    }
 
     float o[kHeadDim / 2];
 #pragma unroll
@@ -771,9 +820,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           WgmmaRS<kF16>(o, a, desc_b, 1);
         }
       };
-      // Soft cap, mask and online softmax of the scores in s (key tile n); s becomes P
-      // (unnormalised), correction gets the factor for the rows' earlier accumulators.
-      const auto softmax = [&](int n, float (&correction)[2]) {
+      // Soft cap, mask and online softmax of the scores in s (key tile n, in stage `stage`);
+      // s becomes P (unnormalised), correction gets the factor for the rows' earlier
+      // accumulators.
+      const auto softmax = [&](int n, int stage, float (&correction)[2]) {
         if constexpr (kSoftcap) {
 #pragma unroll
           for (int i = 0; i < kBlockN / 2; ++i) s[i] = Tanh(s[i] * p.softcap_pre);
@@ -783,12 +833,36 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         const int m_last = min(tl.m0 + kBlockM, tl.q_len) - 1;
         const bool masked = c0 + kBlockN > tl.k_len || c0 + kBlockN - 1 > tl.m0 + offset + p.right ||
                             c0 < m_last + offset - p.left;
-        if (masked) {
+        // Row r's visible columns of this thread's pairs: lo <= 8 j + c < hi.
+        const auto visible_columns = [&](int r, int* lo, int* hi) {
+          const int row = row0 + 8 * r;
+          *hi = min(tl.k_len, row + offset + p.right + 1) - c0 - 2 * t4;
+          *lo = row + offset - p.left - c0 - 2 * t4;
+        };
+        if constexpr (kSegments) {
+          // The tile's key ids, in the shared memory of the stage that holds it (the caller
+          // waited for its V barrier).
+          const uint32_t ids = smem + L::kSegmentOffset + stage * (kBlockN * 4) + 8 * t4;
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            int id0, id1;
+            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(id0), "=r"(id1) : "r"(ids + 32 * j) : "memory");
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              int lo, hi;
+              visible_columns(r, &lo, &hi);
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int col = 8 * j + c;
+                if (col >= hi || col < lo || (c ? id1 : id0) != q_segment[r]) s[4 * j + 2 * r + c] = -INFINITY;
+              }
+            }
+          }
+        } else if (masked) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int row = row0 + 8 * r;
-            const int hi = min(tl.k_len, row + offset + p.right + 1) - c0 - 2 * t4;
-            const int lo = row + offset - p.left - c0 - 2 * t4;
+            int lo, hi;
+            visible_columns(r, &lo, &hi);
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
@@ -878,7 +952,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         }
         pending_slot = -1;
       }
-      softmax(tl.n_end - 1, correction);
+      if constexpr (kSegments) MbarWait(v_full(stage), (kv_iter / kStages) & 1);
+      softmax(tl.n_end - 1, stage, correction);
       convert();
 
       // One key tile: S of tile `it` and P V of tile it - 1 in flight while the softmax runs.
@@ -902,11 +977,12 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         WgmmaWait<1>();
         FenceRegisters(s);
         release(k_empty(stage));
-        softmax(tl.n_end - 1 - it, correction);
+        if constexpr (kSegments) MbarWait(v_full(stage), ((kv_iter + it) / kStages) & 1);
+        softmax(tl.n_end - 1 - it, stage, correction);
         WgmmaWait<0>();
         FenceRegisters(o);
         FenceRegisters(pr);
-        release(v_empty(prev));
+        release_v(v_empty(prev));
         rescale(correction);
         convert();
       };
@@ -939,7 +1015,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         last_pv(false);
       }
       FenceRegisters(o);
-      release(v_empty(stage));
+      release_v(v_empty(stage));
       kv_iter += tl.n_count;
       ++q_iter;
     }
@@ -1054,17 +1130,20 @@ bool IsBand(int left, int right, int64_t seqlen_k);
 // No band, no packed sequences, at most max_seqlen_q queries and max_seqlen_k keys: the calls
 // that ShortConfig serves, and the masked ones whose tiles run in pairs (ScheduledTile).
 bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_seqlen_k);
+// A causal or sliding-window mask is on.
+bool CausalOrWindow(const ForwardParams& p);
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
 
-template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap>
+template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap, bool kSegments>
 Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
-  using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages>;
+  using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kSegments>;
   static_assert(C::kMaxPairedMBlocks == 0 || L::kPairedSchedule, "pairs need two Q slots and two consumer warpgroups");
   KernelParams kp;
   EJK_RETURN_IF_ERROR(PrepareKernelParams(args, L::kBlockM, L::kBlockN, &kp));
   EJK_ASSIGN_OR_RETURN(const int num_sms, CurrentDeviceSms());
-  void (*kernel)(const KernelParams) = ForwardKernel<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kF16, kSoftcap>;
+  void (*kernel)(const KernelParams) =
+      ForwardKernel<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kF16, kSoftcap, kSegments>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
@@ -1075,11 +1154,13 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   // pairs of equal total length (C::kMaxPairedMBlocks).
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const bool band = IsBand(kp.left, kp.right, kp.seqlen_k);
-  kp.paired = kMasked && C::kMaxPairedMBlocks > 0 &&
+  // Segment ids take the masked kernels' tiles whether or not a causal or window mask is on.
+  const bool mask_on = kMasked && (!kSegments || CausalOrWindow(args.p));
+  kp.paired = mask_on && C::kMaxPairedMBlocks > 0 &&
               ShortCall(args, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k);
   const int64_t units =
       kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
-  const bool persistent = kp.paired || !kMasked || band || kp.cu_seqlens_q != nullptr;
+  const bool persistent = kp.paired || !mask_on || band || kp.cu_seqlens_q != nullptr;
   const unsigned grid = static_cast<unsigned>(persistent && units > num_sms ? num_sms : units);
   // Other causal calls: one block per tile, dispatched in tile order, in sections of a few
   // heads (K and V rows of 1024 columns in all), longest tiles first. In head-major order the
@@ -1094,34 +1175,42 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   return Status::Ok();
 }
 
-template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap>
+template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap, bool kSegments>
 Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
   using Short = ShortConfig<kHeadDim, kMasked>;
-  if constexpr (Short::kMaxSeqlen > 0) {
+  if constexpr (Short::kMaxSeqlen > 0 && !kSegments) {
     if (ShortCall(args, Short::kMaxSeqlen, Short::kMaxSeqlen)) {
-      return LaunchConfig<kHeadDim, Short, kMasked, kF16, kSoftcap>(args, stream);
+      return LaunchConfig<kHeadDim, Short, kMasked, kF16, kSoftcap, false>(args, stream);
     }
   }
   // The soft cap keeps more values live per score: it takes the narrower key tile too.
-  return LaunchConfig<kHeadDim, TileConfig<kHeadDim, kMasked || kSoftcap>, kMasked, kF16, kSoftcap>(args, stream);
+  return LaunchConfig<kHeadDim, TileConfig<kHeadDim, kMasked || kSoftcap>, kMasked, kF16, kSoftcap, kSegments>(args,
+                                                                                                              stream);
 }
 
-template <int kHeadDim, bool kMasked>
+template <int kHeadDim, bool kMasked, bool kSegments>
 Status LaunchMasked(const CudaForwardArgs& args, cudaStream_t stream) {
   const bool f16 = args.p.q.dtype == DType::kF16;
   if (args.p.logits_soft_cap > 0.0f) {
-    return f16 ? LaunchKernel<kHeadDim, kMasked, true, true>(args, stream)
-               : LaunchKernel<kHeadDim, kMasked, false, true>(args, stream);
+    return f16 ? LaunchKernel<kHeadDim, kMasked, true, true, kSegments>(args, stream)
+               : LaunchKernel<kHeadDim, kMasked, false, true, kSegments>(args, stream);
   }
-  return f16 ? LaunchKernel<kHeadDim, kMasked, true, false>(args, stream)
-             : LaunchKernel<kHeadDim, kMasked, false, false>(args, stream);
+  return f16 ? LaunchKernel<kHeadDim, kMasked, true, false, kSegments>(args, stream)
+             : LaunchKernel<kHeadDim, kMasked, false, false, kSegments>(args, stream);
+}
+
+// Calls with segment ids (the masked kernels' tiles, every key tile masked element-wise);
+// instantiated per head dim in cuda_hopper_forward_segments_hdim*.cu.
+template <int kHeadDim>
+Status LaunchSegments(const CudaForwardArgs& args, cudaStream_t stream) {
+  return LaunchMasked<kHeadDim, true, true>(args, stream);
 }
 
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, cudaStream_t stream) {
-  const ForwardParams& p = args.p;
-  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
-  return masked ? LaunchMasked<kHeadDim, true>(args, stream) : LaunchMasked<kHeadDim, false>(args, stream);
+  if (args.p.q_segment_ids.present()) return LaunchSegments<kHeadDim>(args, stream);
+  return CausalOrWindow(args.p) ? LaunchMasked<kHeadDim, true, false>(args, stream)
+                                : LaunchMasked<kHeadDim, false, false>(args, stream);
 }
 
 }  // namespace ejk::flash_attention::hopper

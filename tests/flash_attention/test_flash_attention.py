@@ -47,7 +47,7 @@ class Case:
     bias: str | None = None  # broadcast form: "BH", "B1", "1H" or "11"
     bias_dtype: str | None = None  # default: the input dtype
     mask: str | None = None  # broadcast form, like bias
-    segments: bool = False
+    segments: bool | str = False  # True: sorted ids (packed documents); "shuffled": ids in any order
     varlen: tuple | None = None  # a packed layout: VARLEN or VARLEN_TILES
     dropout: float = 0.0
     deterministic: bool = False
@@ -154,6 +154,18 @@ CASES = [
          head_dim=128, bias="1H", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
+    # Segment ids on the Hopper forward: every key tile masked element-wise, with and without
+    # a causal or window mask, segments spanning several tiles, ids in any order.
+    Case("tiles_segments_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, segments=True),
+    Case("tiles_segments_f16_d64_sinks_sq<sk", dtype="float16", batch=2, seq_q=200, seq_k=333, q_heads=4,
+         kv_heads=2, sinks=True, segments=True),
+    Case("tiles_segments_bf16_d256_window_soft_cap", dtype="bfloat16", batch=1, seq_q=259, seq_k=259, q_heads=2,
+         kv_heads=1, head_dim=256, window=(70, 9), soft_cap=7.0, segments=True),
+    Case("tiles_segments_shuffled_f16_d128_sq>sk", dtype="float16", batch=2, seq_q=270, seq_k=190, q_heads=2,
+         kv_heads=2, head_dim=128, segments="shuffled"),
+    Case("tiles_segments_causal_bf16_d64_soft_cap_1100", dtype="bfloat16", batch=1, seq_q=1100, seq_k=1100,
+         q_heads=2, kv_heads=1, causal=True, soft_cap=5.0, segments=True),
 ]
 
 
@@ -189,8 +201,12 @@ def make_inputs(case: Case, rng: np.random.Generator):
         arrays["cum_seqlens_q"], arrays["cum_seqlens_k"] = (jnp.asarray(cu, jnp.int32) for cu in case.varlen[:2])
     if case.segments:
         # Segment 2 has queries but no keys, so its rows see nothing.
-        arrays["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (batch, seq_q)), axis=1), jnp.int32)
-        arrays["kv_segment_ids"] = jnp.asarray(np.sort(rng.choice([0, 1, 3], (batch, seq_k)), axis=1), jnp.int32)
+        q_ids = rng.integers(0, 4, (batch, seq_q))
+        kv_ids = rng.choice([0, 1, 3], (batch, seq_k))
+        if case.segments != "shuffled":
+            q_ids, kv_ids = np.sort(q_ids, axis=1), np.sort(kv_ids, axis=1)
+        arrays["q_segment_ids"] = jnp.asarray(q_ids, jnp.int32)
+        arrays["kv_segment_ids"] = jnp.asarray(kv_ids, jnp.int32)
     if case.dropout > 0:
         arrays["dropout_seed"] = jnp.asarray(rng.integers(0, 2**32, dtype=np.uint32))
     static = {

@@ -22,7 +22,7 @@
 // equal length) run on a persistent grid, other causal calls on one block per tile.
 //
 // Features: bf16/f16, head dims 64/128/256, causal and sliding window (bottom-right aligned),
-// GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), lse output.
+// GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), segment ids, lse output.
 //
 // Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, one
 // block per 64 columns of the head dimension, as TMA writes them and wgmma reads them: Q and

@@ -4,10 +4,12 @@
 //
 // Scratch (sizes from shapes only): lse2 and delta [B, Hq, padded_q] f32, padded_q = Sq (for
 // packed sequences, the packed length) rounded up to the query tile, then the tile-major f32
-// dQ accumulator.
+// dQ accumulator, then (segment ids only) the query segment ids padded to [B, padded_q] and
+// the smallest and largest id of each query tile, [B, num_m_blocks] int2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -21,12 +23,15 @@ namespace hopper_backward {
 
 #if EJK_FA_HEAD_DIM_ENABLED(64)
 extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchSegments<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 #endif
 
 namespace {
@@ -75,10 +80,10 @@ int BlockNFor(int64_t head_dim) {
 
 struct ScratchLayout {
   int64_t num_m_blocks, padded_q, rows;
-  size_t stat_bytes, dq_bytes;
+  size_t stat_bytes, dq_bytes, segment_bytes;
 };
 
-ScratchLayout ScratchFor(const Dims& d) {
+ScratchLayout ScratchFor(const Dims& d, bool segments) {
   ScratchLayout s;
   const int block_m = BlockMFor(d.head_dim);
   s.num_m_blocks = (d.seqlen_q + block_m - 1) / block_m;
@@ -86,8 +91,14 @@ ScratchLayout ScratchFor(const Dims& d) {
   s.rows = d.batch * d.num_q_heads * s.padded_q;
   s.stat_bytes = AlignUp(static_cast<size_t>(s.rows) * sizeof(float));
   s.dq_bytes = AlignUp(static_cast<size_t>(s.rows * d.head_dim) * sizeof(float));
+  // Segment ids: the padded query ids, then the query tiles' id ranges.
+  s.segment_bytes = segments ? AlignUp(static_cast<size_t>(d.batch * s.padded_q) * sizeof(int32_t)) +
+                                   AlignUp(static_cast<size_t>(d.batch * s.num_m_blocks) * sizeof(int2))
+                             : 0;
   return s;
 }
+
+bool HasSegments(const BackwardParams& p) { return p.fwd.q_segment_ids.present(); }
 
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
@@ -134,6 +145,35 @@ __global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* 
   const float l = lse[stat];
   lse2[padded] = l == -INFINITY ? INFINITY : l * kLog2e;
   delta[padded] = sum - (dlse != nullptr ? dlse[stat] : 0.0f);
+}
+
+// Segment ids: one warp per (batch row, query tile) copies the tile's query ids into
+// q_ids_padded ([B, padded_q]; padding rows get 0, their P is 0 whatever the id) and stores the
+// smallest and largest id of its rows in tile_segments ([B, num_m_blocks]).
+constexpr int kQuerySegmentsThreads = 256;
+__global__ void __launch_bounds__(kQuerySegmentsThreads) QuerySegmentsKernel(const int* q_ids, int* q_ids_padded,
+                                                                             int2* tile_segments, int32_t tiles,
+                                                                             int32_t seqlen_q, int32_t block_m,
+                                                                             int32_t num_m_blocks) {
+  const int32_t tile = blockIdx.x * (kQuerySegmentsThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (tile >= tiles) return;  // whole warps
+  const int32_t b = tile / num_m_blocks, m0 = tile % num_m_blocks * block_m;
+  const int64_t padded_row = static_cast<int64_t>(b) * num_m_blocks * block_m;
+  int lo = INT_MAX, hi = INT_MIN;
+  for (int r = lane; r < block_m; r += 32) {
+    const int32_t i = m0 + r;
+    int id = 0;
+    if (i < seqlen_q) {
+      id = q_ids[static_cast<int64_t>(b) * seqlen_q + i];
+      lo = min(lo, id);
+      hi = max(hi, id);
+    }
+    q_ids_padded[padded_row + i] = id;
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) tile_segments[tile] = make_int2(lo, hi);
 }
 
 constexpr int kSinkThreads = 256;
@@ -235,15 +275,21 @@ Status LastLaunch(const char* what) {
 }
 
 Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+  const bool segments = kp.q_segment_ids != nullptr;
   switch (head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return Launch<64>(kp, f16, softcap, batch, stream);
+    case 64:
+      return segments ? LaunchSegments<64>(kp, f16, softcap, batch, stream) : Launch<64>(kp, f16, softcap, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return Launch<128>(kp, f16, softcap, batch, stream);
+    case 128:
+      return segments ? LaunchSegments<128>(kp, f16, softcap, batch, stream)
+                      : Launch<128>(kp, f16, softcap, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return Launch<256>(kp, f16, softcap, batch, stream);
+    case 256:
+      return segments ? LaunchSegments<256>(kp, f16, softcap, batch, stream)
+                      : Launch<256>(kp, f16, softcap, batch, stream);
 #endif
     default: return Status::Unimplemented("hopper flash attention backward: head_dim " + std::to_string(head_dim));
   }
@@ -267,14 +313,13 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   }
   if (f.bias.present()) return no("bias is not supported");
   if (f.mask.present()) return no("mask is not supported");
-  if (f.q_segment_ids.present() || f.kv_segment_ids.present()) return no("segment ids are not supported");
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");
   if (p.deterministic) return no("deterministic mode is not supported");
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
-  if (hopper_backward::ScratchFor(dims).rows >= (int64_t{1} << 31)) {
+  if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p)).rows >= (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv}) {
@@ -283,10 +328,10 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   return Status::Ok();
 }
 
-size_t BackwardHopperScratchBytes(const Dims& dims, const BackwardParams&) {
+size_t BackwardHopperScratchBytes(const Dims& dims, const BackwardParams& p) {
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) return 0;
-  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims);
-  return 2 * s.stat_bytes + s.dq_bytes;
+  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p));
+  return 2 * s.stat_bytes + s.dq_bytes + s.segment_bytes;
 }
 
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
@@ -295,7 +340,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
   EJK_RETURN_IF_ERROR(HopperBackwardSupports(p, d, 9, 0));
-  const ScratchLayout sl = ScratchFor(d);
+  const ScratchLayout sl = ScratchFor(d, HasSegments(p));
   const int block_m = BlockMFor(d.head_dim);
   const bool f16 = f.q.dtype == DType::kF16;
   char* base = static_cast<char*>(scratch);
@@ -333,6 +378,22 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   }
   kp.dk_scale = f.softmax_scale;
   hopper::WindowSides(f, d, &kp.left, &kp.right);
+  kp.q_segment_ids = nullptr;
+  kp.q_tile_segments = nullptr;
+  kp.kv_segment_ids = nullptr;
+  if (HasSegments(p)) {
+    char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
+    int* q_ids_padded = reinterpret_cast<int*>(segments);
+    int2* tile_segments = reinterpret_cast<int2*>(segments + AlignUp(static_cast<size_t>(d.batch * sl.padded_q) * 4));
+    const int32_t tiles = static_cast<int32_t>(d.batch * sl.num_m_blocks);
+    constexpr int kWarps = kQuerySegmentsThreads / 32;
+    QuerySegmentsKernel<<<static_cast<unsigned>((tiles + kWarps - 1) / kWarps), kQuerySegmentsThreads, 0, stream>>>(
+        f.q_segment_ids.ptr<int>(), q_ids_padded, tile_segments, tiles, kp.seqlen_q, block_m, kp.num_m_blocks);
+    EJK_RETURN_IF_ERROR(LastLaunch("query segments"));
+    kp.q_segment_ids = q_ids_padded;
+    kp.q_tile_segments = tile_segments;
+    kp.kv_segment_ids = f.kv_segment_ids.ptr<int>();
+  }
 
   const auto zero = [&](void* ptr, size_t bytes) {
     const cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);

@@ -22,6 +22,11 @@
 // loaded; only tiles on a mask boundary or at the sequence end are masked element-wise.
 // Rows past the sequence come from TMA's zero fill and have lse = +inf (P = 0).
 //
+// Segment ids: every query tile is masked element-wise, by its rows' ids (a bulk copy with the
+// tile's lse) against the thread's keys' ids (loaded once). A block skips the query tiles
+// before the first and after the last whose id range meets its keys' (NarrowToSegments):
+// with packed documents in order, it walks the tiles of its keys' documents only.
+//
 // Packed sequences (cu_seqlens, batch 1): a block's keys lie in one sequence (sequence n's
 // key blocks are numbered from cu_seqlens_k[n] / kBlockN + n on, which leaves room for each
 // sequence's partial last block; blocks past their sequence's keys exit), masks are local to
@@ -51,6 +56,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -86,7 +92,8 @@ struct BlockM<256> {
   static constexpr int kValue = 64;
 };
 
-template <int kHeadDim>
+// kSegments: each stage also holds its query tile's segment ids.
+template <int kHeadDim, bool kSegments = false>
 struct Layout {
   static constexpr bool kSplitQueries = kHeadDim == 256;
   static constexpr int kBlockM = BlockM<kHeadDim>::kValue;
@@ -107,10 +114,11 @@ struct Layout {
   static constexpr bool kLateDq = kHeadDim == 128;
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kHeadDim;
+  static constexpr int kQIdBytes = kSegments ? kBlockM * 4 : 0;  // per stage
   // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
   static constexpr int BytesFor(int stages) {
     return 2 * kKvTileBytes + stages * 2 * kQTileBytes + kDsBuffers * kDsBytes + (kSplitQueries ? 2 * kDsBytes : 0) +
-           stages * 2 * kBlockM * 4 + 8 * (1 + 3 * stages) + 1024;
+           stages * (2 * kBlockM * 4 + kQIdBytes) + 8 * (1 + 3 * stages) + 1024;
   }
   // A third stage where it fits (head dim 128): the next items' loads then start two items ahead.
   static constexpr int kStages = BytesFor(3) <= 232448 ? 3 : 2;
@@ -122,7 +130,8 @@ struct Layout {
   static constexpr int kP = kDs + kDsBuffers * kDsBytes;  // 2 buffers, split queries only
   static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);
   static constexpr int kDelta = kLse + kStages * kBlockM * 4;
-  static constexpr int kBarriers = kDelta + kStages * kBlockM * 4;
+  static constexpr int kQIds = kDelta + kStages * kBlockM * 4;
+  static constexpr int kBarriers = kQIds + kStages * kQIdBytes;
   // kv_full, q_full[kStages], do_full[kStages], empty[kStages].
   static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
@@ -152,10 +161,19 @@ struct KernelParams {
   // Key j is visible to query i iff i + offset - left <= j <= i + offset + right (and j < Sk),
   // offset = Sk - Sq of the sequence; left/right are clamped so that the sums stay in int32.
   int left, right;
+  // Segment ids (kSegments kernels; never with packed sequences): the queries' padded to
+  // [B, padded_q] (so that each tile's are one bulk copy), the smallest and largest id of each
+  // query tile's rows, [B, num_m_blocks], and the keys', [B, Sk].
+  const int* q_segment_ids;
+  const int2* q_tile_segments;
+  const int* kv_segment_ids;
 };
 
 template <int kHeadDim>
 Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
+// Calls with segment ids; instantiated per head dim in cuda_hopper_backward_segments_hdim*.cu.
+template <int kHeadDim>
+Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
 
 #if EJK_HOPPER_DEVICE_CODE
 namespace device {
@@ -246,6 +264,44 @@ __device__ __forceinline__ int FindSequence(const KernelParams& p, int x, int la
   return lo;
 }
 
+// Segment ids: narrows the block's query tiles [m_lo, m_lo + m_count) to those from the first
+// to the last whose id range meets the range of the block's keys' ids; the tiles outside are
+// hidden from every key. (Packed documents in order: the tiles of the keys' documents.) Each
+// warp computes it alone, with the same result.
+template <int kBlockN>
+__device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batch, int n0, int sk, int lane, int& m_lo,
+                                                 int& m_count) {
+  const int* kv_ids = p.kv_segment_ids + static_cast<int64_t>(batch) * p.seqlen_k;
+  int lo = INT_MAX, hi = INT_MIN;
+#pragma unroll
+  for (int k = lane; k < kBlockN; k += 32) {
+    if (n0 + k < sk) {
+      const int id = __ldg(kv_ids + n0 + k);
+      lo = min(lo, id);
+      hi = max(hi, id);
+    }
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  const int2* tiles = p.q_tile_segments + static_cast<int64_t>(batch) * p.num_m_blocks + m_lo;
+  int first = -1, last = -1;
+  for (int base = 0; base < m_count; base += 32) {
+    bool meets = false;
+    if (base + lane < m_count) {
+      const int2 range = __ldg(tiles + base + lane);
+      meets = range.x <= hi && range.y >= lo;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, meets);
+    if (ballot != 0) {
+      if (first < 0) first = base + __ffs(ballot) - 1;
+      last = base + 31 - __clz(ballot);
+    }
+  }
+  m_lo += max(first, 0);
+  m_count = last - first;
+  if (first >= 0) ++m_count;
+}
+
 // Named barriers (0 is __syncthreads), 256 threads each.
 constexpr int kBarDsReady = 1;   // split queries: both consumer warpgroups stored dS^T
 constexpr int kBarDsStored = 2;  // split keys: + 2 wg + item parity: warpgroup wg stored its dS^T
@@ -253,11 +309,12 @@ constexpr int kBarDsStored = 2;  // split keys: + 2 wg + item parity: warpgroup 
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-template <int kHeadDim, bool kF16, bool kSoftcap>
+// kSegments: segment ids, masked element-wise in every query tile.
+template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments>
 __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
   using namespace device;
-  using L = Layout<kHeadDim>;
+  using L = Layout<kHeadDim, kSegments>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kColBlocks = L::kColBlocks;
@@ -313,8 +370,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   const int k_last = min(n0 + kBlockN, sk) - 1;
   const int q_lo = q_begin + max(0, n0 - offset - p.right);
   const int q_hi = q_begin + min(sq, k_last - offset + p.left + 1);
-  const int m_lo = q_lo / kBlockM;
-  const int m_count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - m_lo : 0;
+  int m_lo = q_lo / kBlockM;
+  int m_count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - m_lo : 0;
+  if constexpr (kSegments) NarrowToSegments<kBlockN>(p, batch, n0, sk, threadIdx.x % 32, m_lo, m_count);
   const int items = m_count * p.group;  // item it: q head kv_head * group + it / m_count, m block m_lo + it % m_count
 
   if (threadIdx.x == 0) {
@@ -352,12 +410,16 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const int m0 = (m_lo + it % m_count) * kBlockM;
         const int64_t row = (static_cast<int64_t>(batch) * p.num_q_heads + head) * p.padded_q + m0;
         MbarWait(empty(s), phase ^ 1);
-        MbarExpectTx(q_full(s), L::kQTileBytes + kBlockM * 4);
+        MbarExpectTx(q_full(s), L::kQTileBytes + kBlockM * 4 + L::kQIdBytes);
 #pragma unroll
         for (int cb = 0; cb < kColBlocks; ++cb) {
           TmaLoad4d(q_smem(s) + cb * L::kQBlockBytes, &p.tma_q, q_full(s), cb * 64, head, m0, batch);
         }
         BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
+        if constexpr (kSegments) {
+          BulkLoad(smem + L::kQIds + s * L::kQIdBytes, p.q_segment_ids + static_cast<int64_t>(batch) * p.padded_q + m0,
+                   L::kQIdBytes, q_full(s));
+        }
         MbarExpectTx(do_full(s), L::kQTileBytes + kBlockM * 4);
 #pragma unroll
         for (int cb = 0; cb < kColBlocks; ++cb) {
@@ -379,6 +441,15 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // col0 + 8 j + 2 t4 + c.
   const int key_row = (kSplitQueries ? 0 : wg * 64) + warp * 16 + g;
   const int col0 = kSplitQueries ? wg * 128 : 0;
+  // The segment ids of this thread's keys (those past the sequence are masked anyway).
+  int kv_id[2] = {0, 0};
+  if constexpr (kSegments) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = n0 + key_row + 8 * r;
+      if (key < sk) kv_id[r] = __ldg(p.kv_segment_ids + static_cast<int64_t>(batch) * p.seqlen_k + key);
+    }
+  }
   constexpr int kAcc = kSplitQueries ? kHeadDim / 4 : kHeadDim / 2;
   float dk[kAcc], dv[kAcc];
 #pragma unroll
@@ -406,6 +477,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     return (key >= sk) | (key > query + right) | (key < query + left) |
            (static_cast<unsigned>(query) >= static_cast<unsigned>(sq));  // no short circuit: no branches
   };
+  // Whether a query of segment q_id is in another segment than this thread's key row r.
+  const auto other_segment = [&](int q_id, int r) { return kSegments && q_id != kv_id[r]; };
   // Tiles reaching past the sequence's queries need the mask with packed sequences only:
   // elsewhere those rows are padding, with lse = +inf.
   const int q_fence = p.cu_seqlens_k != nullptr ? sq : p.padded_q;
@@ -468,8 +541,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 
       const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
-      const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+      const bool masked = kSegments || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
                           n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
+      const int* q_ids = reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes);
       // Columns are queries 32 wg + 8j + 2 t4 + c; P^T and dS^T go to [key][64 queries] in the
       // 128-byte swizzle: the pair (key, queries 8 (4 wg + j) + 2 t4 + {0, 1}) sits in 16-byte
       // chunk (4 wg + j) ^ (key % 8), and key % 8 == g.
@@ -480,13 +554,16 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const int q_col = 32 * wg + 8 * j + 2 * t4;
         const float2 l2 = *reinterpret_cast<const float2*>(lse + q_col);
         const float2 d2 = *reinterpret_cast<const float2*>(delta + q_col);
+        const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + q_col) : int2{};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
             prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
-            if (masked && hidden(n0 + key_row + 8 * r, m0 + q_col + c)) sc[i] = dp[i] = 0.0f;
+            if (masked && (hidden(n0 + key_row + 8 * r, m0 + q_col + c) | other_segment(c ? ids.y : ids.x, r))) {
+              sc[i] = dp[i] = 0.0f;
+            }
           }
           const int at = (key_row + 8 * r) * 128 + (((4 * wg + j) ^ g) << 4) + t4 * 4;
           *reinterpret_cast<uint32_t*>(p_base + at) = Pack<kF16>(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
@@ -559,19 +636,23 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // P^T and dS^T; columns are queries m0 + 8j + 2 t4 + c.
       const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
-      const bool masked = n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+      const bool masked = kSegments || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
                           n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
+      const int* q_ids = reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes);
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
         const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+        const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + 8 * j + 2 * t4) : int2{};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
             prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
-            if (masked && hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c)) sc[i] = dp[i] = 0.0f;
+            if (masked && (hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c) | other_segment(c ? ids.y : ids.x, r))) {
+              sc[i] = dp[i] = 0.0f;
+            }
           }
         }
       }
@@ -675,10 +756,10 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #endif  // EJK_HOPPER_DEVICE_CODE
 }
 
-template <int kHeadDim, bool kF16, bool kSoftcap>
+template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments>
 Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
-  using L = Layout<kHeadDim>;
-  void (*kernel)(const KernelParams) = BackwardKernel<kHeadDim, kF16, kSoftcap>;
+  using L = Layout<kHeadDim, kSegments>;
+  void (*kernel)(const KernelParams) = BackwardKernel<kHeadDim, kF16, kSoftcap, kSegments>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention backward: shared memory attribute: ") +
@@ -700,14 +781,24 @@ Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
   return Status::Ok();
 }
 
+template <int kHeadDim, bool kSegments>
+Status LaunchVariant(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+  if (softcap) {
+    return f16 ? LaunchKernel<kHeadDim, true, true, kSegments>(kp, batch, stream)
+               : LaunchKernel<kHeadDim, false, true, kSegments>(kp, batch, stream);
+  }
+  return f16 ? LaunchKernel<kHeadDim, true, false, kSegments>(kp, batch, stream)
+             : LaunchKernel<kHeadDim, false, false, kSegments>(kp, batch, stream);
+}
+
 template <int kHeadDim>
 Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  if (softcap) {
-    return f16 ? LaunchKernel<kHeadDim, true, true>(kp, batch, stream)
-               : LaunchKernel<kHeadDim, false, true>(kp, batch, stream);
-  }
-  return f16 ? LaunchKernel<kHeadDim, true, false>(kp, batch, stream)
-             : LaunchKernel<kHeadDim, false, false>(kp, batch, stream);
+  return LaunchVariant<kHeadDim, false>(kp, f16, softcap, batch, stream);
+}
+
+template <int kHeadDim>
+Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+  return LaunchVariant<kHeadDim, true>(kp, f16, softcap, batch, stream);
 }
 
 }  // namespace ejk::flash_attention::hopper_backward

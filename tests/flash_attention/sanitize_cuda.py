@@ -46,13 +46,18 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (128, 131, 200), (256, 70, 135)):
     jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))
     calls += 1
 
-    # Segment ids (the Hopper forward's segment kernels), with and without a causal mask.
+    # Segment ids (the Hopper segment kernels), with and without a causal mask.
     q_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, seq_q)), axis=1), jnp.int32)
     kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, seq_k)), axis=1), jnp.int32)
     for causal in (False, True):
-        jax.block_until_ready(flash_attention(q, k, v, causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                              platform="cuda", return_lse=True))
-        calls += 1
+        segments = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, platform="cuda")
+
+        def segments_loss(q, k, v):
+            return jnp.sum(flash_attention(q, k, v, **segments).astype(jnp.float32) ** 2)
+
+        jax.block_until_ready(flash_attention(q, k, v, return_lse=True, **segments))
+        jax.block_until_ready(jax.grad(segments_loss, argnums=(0, 1, 2))(q, k, v))
+        calls += 2
 # Banded and causal forwards with more query tiles than an H100 has multiprocessors, so that
 # persistent blocks take several tiles (short causal ones in pairs, 9 per head at d128: one
 # alone) and reuse their Q slots (O leaves through them).

@@ -154,8 +154,9 @@ CASES = [
          head_dim=128, bias="1H", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
-    # Segment ids on the Hopper forward: every key tile masked element-wise, with and without
-    # a causal or window mask, segments spanning several tiles, ids in any order.
+    # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
+    # causal or window mask, segments spanning several tiles, ids in any order; the backward
+    # skips the query tiles outside its keys' segments (on both sides without a causal mask).
     Case("tiles_segments_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4,
          kv_heads=2, head_dim=128, causal=True, segments=True),
     Case("tiles_segments_f16_d64_sinks_sq<sk", dtype="float16", batch=2, seq_q=200, seq_k=333, q_heads=4,
@@ -166,6 +167,8 @@ CASES = [
          kv_heads=2, head_dim=128, segments="shuffled"),
     Case("tiles_segments_causal_bf16_d64_soft_cap_1100", dtype="bfloat16", batch=1, seq_q=1100, seq_k=1100,
          q_heads=2, kv_heads=1, causal=True, soft_cap=5.0, segments=True),
+    Case("tiles_segments_bf16_d128_gqa_sq>sk", dtype="bfloat16", batch=2, seq_q=710, seq_k=650, q_heads=6,
+         kv_heads=2, head_dim=128, segments=True),
 ]
 
 

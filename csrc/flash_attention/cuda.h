@@ -32,6 +32,9 @@ struct CudaForwardArgs {
   ForwardParams p;
   Dims dims;
   const uint32_t* dropout_seed = nullptr;
+  // ForwardHopperScratchBytes of device memory, or null: with segment ids, the Hopper kernels
+  // then skip the key tiles outside each query tile's segments.
+  void* scratch = nullptr;
 };
 
 struct CudaBackwardArgs {
@@ -54,6 +57,8 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
 // HopperSupports says which calls they take; the rest run on the mma.sync kernels.
 Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major, int device_minor);
 Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream);
+// Scratch that lets ForwardHopper skip tiles (segment ids only; 0 otherwise); shapes only.
+size_t ForwardHopperScratchBytes(const ForwardParams& p, const Dims& dims);
 
 // Hopper backward (wgmma), sm_90a only; a subset of the features (HopperBackwardSupports
 // says which); the rest run on BackwardMma. Scratch sized from shapes only.

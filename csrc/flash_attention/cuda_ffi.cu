@@ -96,16 +96,22 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
   return static_cast<const uint32_t*>(seed.untyped_data());
 }
 
-ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer softmax_aux,
-                       ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,
-                       ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                       ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, bool causal,
-                       int64_t window_left, int64_t window_right, float logits_soft_cap,
-                       float dropout_prob, int64_t operands, int64_t block_q, int64_t block_k,
-                       int64_t num_threads, int64_t num_warps, int64_t num_stages,
-                       bool deterministic) {
+// The forward's operands, results and attributes (EJK_FLASH_ATTENTION_FORWARD_BINDING).
+#define EJK_CUDA_FORWARD_PARAMETERS                                                              \
+  ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask, \
+      ffi::AnyBuffer softmax_aux, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,       \
+      ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seed,   \
+      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale,      \
+      bool causal, int64_t window_left, int64_t window_right, float logits_soft_cap,              \
+      float dropout_prob, int64_t operands, int64_t block_q, int64_t block_k, int64_t num_threads, \
+      int64_t num_warps, int64_t num_stages, bool deterministic
+#define EJK_CUDA_FORWARD_ARGUMENTS                                                              \
+  q, k, v, bias, mask, softmax_aux, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_segment_ids, \
+      dropout_seed, out, lse, softmax_scale, causal, window_left, window_right, logits_soft_cap, \
+      dropout_prob, operands, block_q, block_k, num_threads, num_warps, num_stages, deterministic
+
+// scratch: null, or the allocator that lets the Hopper kernels skip tiles (segment ids).
+ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator* scratch, EJK_CUDA_FORWARD_PARAMETERS) {
   CudaForwardArgs args;
   EJK_FFI_ASSIGN_OR_RETURN(args.p, BuildForwardParams(q, k, v, bias, mask, softmax_aux, cu_seqlens_q,
                                                       cu_seqlens_k, q_segment_ids, kv_segment_ids,
@@ -120,10 +126,30 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (Status s = CheckSupported(args.p, args.dims); !s.ok()) return ToFfiError(s);
   const CudaDeviceInfo& arch = CurrentCudaDevice();
   if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) {
+    const size_t bytes = scratch != nullptr ? ForwardHopperScratchBytes(args.p, args.dims) : 0;
+    if (bytes > 0) {
+      std::optional<void*> allocated = scratch->Allocate(bytes);
+      if (!allocated.has_value()) {
+        return ToFfiError(Status::ResourceExhausted("flash attention forward: cannot allocate " +
+                                                    std::to_string(bytes) + " bytes of scratch"));
+      }
+      args.scratch = *allocated;
+    }
     return ToFfiError(ForwardHopper(args, stream));
   }
   return ToFfiError(ForwardMma(args, cfg, stream));
 }
+
+ffi::Error ForwardImpl(cudaStream_t stream, EJK_CUDA_FORWARD_PARAMETERS) {
+  return Forward(stream, nullptr, EJK_CUDA_FORWARD_ARGUMENTS);
+}
+
+ffi::Error ForwardSegmentsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, EJK_CUDA_FORWARD_PARAMETERS) {
+  return Forward(stream, &scratch, EJK_CUDA_FORWARD_ARGUMENTS);
+}
+
+#undef EJK_CUDA_FORWARD_PARAMETERS
+#undef EJK_CUDA_FORWARD_ARGUMENTS
 
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
@@ -180,6 +206,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 }  // namespace ejk::flash_attention
 
 EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionForwardCuda(XLA_FFI_CallFrame* call_frame);
+EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionForwardSegmentsCuda(XLA_FFI_CallFrame* call_frame);
 EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionBackwardCuda(XLA_FFI_CallFrame* call_frame);
 
 // The forward's launches depend only on shapes and attributes: safe inside CUDA graphs.
@@ -187,6 +214,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     EjkFlashAttentionForwardCuda, ejk::flash_attention::ForwardImpl,
     EJK_FLASH_ATTENTION_FORWARD_BINDING(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
+// Calls with segment ids: the same, with scratch in which the Hopper kernels find the key
+// tiles that each query tile's segments reach (a captured graph could not own it).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    EjkFlashAttentionForwardSegmentsCuda, ejk::flash_attention::ForwardSegmentsImpl,
+    EJK_FLASH_ATTENTION_FORWARD_BINDING(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
 // The backward takes scratch memory per call, which a captured graph could not own.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     EjkFlashAttentionBackwardCuda, ejk::flash_attention::BackwardImpl,
@@ -230,6 +263,7 @@ KernelEntry CudaEntry() {
   e.op_version = kOpVersion;
   e.features = AllFeatures();
   e.ffi_targets = {{"ejkernel_flash_attention_fwd_cuda", "EjkFlashAttentionForwardCuda"},
+                   {"ejkernel_flash_attention_fwd_segments_cuda", "EjkFlashAttentionForwardSegmentsCuda"},
                    {"ejkernel_flash_attention_bwd_cuda", "EjkFlashAttentionBackwardCuda"}};
   e.heuristic = CudaHeuristic;
   e.candidates = CudaCandidates;

@@ -3,6 +3,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -90,6 +91,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   kp->num_sequences = 0;
   kp->q_segment_ids = p.q_segment_ids.present() ? p.q_segment_ids.ptr<int>() : nullptr;
   kp->kv_segment_ids = p.kv_segment_ids.present() ? p.kv_segment_ids.ptr<int>() : nullptr;
+  kp->key_tile_bounds = nullptr;
   if (d.varlen) {
     kp->cu_seqlens_q = p.cu_seqlens_q.ptr<int>();
     kp->cu_seqlens_k = p.cu_seqlens_k.ptr<int>();
@@ -107,6 +109,98 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
   WindowSides(p, d, &kp->left, &kp->right);
+  return Status::Ok();
+}
+
+namespace {
+
+constexpr int kSegmentThreads = 256;
+constexpr int kSegmentWarps = kSegmentThreads / 32;
+// Scratch granularity: the segment kernels' tiles hold at least 64 rows and 64 keys.
+constexpr int64_t kMinSegmentTile = 64;
+
+size_t AlignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// One warp per (batch row, tile of `block` ids): the smallest and largest id of the tile.
+__global__ void __launch_bounds__(kSegmentThreads) TileSegmentsKernel(const int* ids, int2* ranges, int32_t tiles,
+                                                                      int32_t length, int32_t block,
+                                                                      int32_t num_blocks) {
+  const int32_t tile = blockIdx.x * kSegmentWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (tile >= tiles) return;  // whole warps
+  const int32_t b = tile / num_blocks, first = tile % num_blocks * block;
+  const int32_t last = min(first + block, length);
+  int lo = INT_MAX, hi = INT_MIN;
+  for (int32_t i = first + lane; i < last; i += 32) {
+    const int id = ids[static_cast<int64_t>(b) * length + i];
+    lo = min(lo, id);
+    hi = max(hi, id);
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) ranges[tile] = make_int2(lo, hi);
+}
+
+// One warp per (batch row, query tile): the first and last key tile whose id range meets the
+// query tile's, or (1, 0) if none does. The tiles between may meet it or not (ids in any
+// order); the kernel masks them element-wise.
+__global__ void __launch_bounds__(kSegmentThreads) KeyTileBoundsKernel(const int2* q_ranges, const int2* k_ranges,
+                                                                       int2* bounds, int32_t tiles,
+                                                                       int32_t num_m_blocks, int32_t num_n_blocks) {
+  const int32_t tile = blockIdx.x * kSegmentWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (tile >= tiles) return;  // whole warps
+  const int2 q = q_ranges[tile];
+  const int2* keys = k_ranges + static_cast<int64_t>(tile / num_m_blocks) * num_n_blocks;
+  int first = -1, last = -1;
+  for (int32_t base = 0; base < num_n_blocks; base += 32) {
+    bool meets = false;
+    if (base + lane < num_n_blocks) {
+      const int2 k = keys[base + lane];
+      meets = k.x <= q.y && k.y >= q.x;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, meets);
+    if (ballot != 0) {
+      if (first < 0) first = base + __ffs(ballot) - 1;
+      last = base + 31 - __clz(ballot);
+    }
+  }
+  if (lane == 0) bounds[tile] = first < 0 ? make_int2(1, 0) : make_int2(first, last);
+}
+
+// Upper bound of PrepareSegmentBounds' scratch: two arrays per query tile, one per key tile.
+size_t SegmentScratchBytes(const Dims& d) {
+  const auto tiles = [&](int64_t length) {
+    return AlignUp(static_cast<size_t>(d.batch * ((length + kMinSegmentTile - 1) / kMinSegmentTile)) * sizeof(int2));
+  };
+  return 2 * tiles(d.seqlen_q) + tiles(d.seqlen_k);
+}
+
+}  // namespace
+
+Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp,
+                            cudaStream_t stream) {
+  if (args.scratch == nullptr || kp->q_segment_ids == nullptr) return Status::Ok();
+  const Dims& d = args.dims;
+  const int32_t num_n_blocks = static_cast<int32_t>((d.seqlen_k + block_n - 1) / block_n);
+  const int32_t q_tiles = static_cast<int32_t>(d.batch * kp->num_m_blocks);
+  const int32_t k_tiles = static_cast<int32_t>(d.batch * num_n_blocks);
+  char* base = static_cast<char*>(args.scratch);
+  int2* q_ranges = reinterpret_cast<int2*>(base);
+  int2* bounds = reinterpret_cast<int2*>(base + AlignUp(q_tiles * sizeof(int2)));
+  int2* k_ranges = reinterpret_cast<int2*>(base + 2 * AlignUp(q_tiles * sizeof(int2)));
+  const auto blocks = [](int32_t warps) { return static_cast<unsigned>((warps + kSegmentWarps - 1) / kSegmentWarps); };
+  TileSegmentsKernel<<<blocks(q_tiles), kSegmentThreads, 0, stream>>>(kp->q_segment_ids, q_ranges, q_tiles,
+                                                                       kp->seqlen_q, block_m, kp->num_m_blocks);
+  TileSegmentsKernel<<<blocks(k_tiles), kSegmentThreads, 0, stream>>>(kp->kv_segment_ids, k_ranges, k_tiles,
+                                                                       kp->seqlen_k, block_n, num_n_blocks);
+  KeyTileBoundsKernel<<<blocks(q_tiles), kSegmentThreads, 0, stream>>>(q_ranges, k_ranges, bounds, q_tiles,
+                                                                        kp->num_m_blocks, num_n_blocks);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention: segment bounds launch failed: ") +
+                            cudaGetErrorString(err));
+  }
+  kp->key_tile_bounds = bounds;
   return Status::Ok();
 }
 
@@ -164,6 +258,10 @@ Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return no("tensors must be 16-byte aligned");
   }
   return Status::Ok();
+}
+
+size_t ForwardHopperScratchBytes(const ForwardParams& p, const Dims& dims) {
+  return p.q_segment_ids.present() && hopper::HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
 }
 
 Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream) {

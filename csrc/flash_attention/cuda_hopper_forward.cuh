@@ -23,6 +23,9 @@
 //
 // Features: bf16/f16, head dims 64/128/256, causal and sliding window (bottom-right aligned),
 // GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), segment ids, lse output.
+// Segment ids mask every key tile element-wise; given scratch, two small kernels first find,
+// per query tile, the first and last key tile whose ids meet its rows', and the tile visits
+// those and the ones between only (NarrowToSegments).
 //
 // Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, one
 // block per 64 columns of the head dimension, as TMA writes them and wgmma reads them: Q and
@@ -173,6 +176,9 @@ struct KernelParams {
   int num_sequences;
   const int* q_segment_ids;   // [B, Sq] and [B, Sk] (kSegments kernels; never with packed sequences)
   const int* kv_segment_ids;
+  // Segment ids, or null: [B, num_m_blocks] first and last key tile whose ids meet the query
+  // tile's (PrepareSegmentBounds); the key tiles outside are hidden from all of its rows.
+  const int2* key_tile_bounds;
   int64_t out_row_stride, out_batch_stride;  // elements
   float softcap_pre;   // scale / cap (soft cap only)
   float logit_scale;   // maps the (capped) score to the log2 domain
@@ -563,6 +569,17 @@ __device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, i
   return k < num_tiles ? k : -1;
 }
 
+// Segment ids: narrows a tile's key tiles to those between the first and the last whose ids
+// meet its rows' (packed documents in order: the tiles of the rows' documents).
+__device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batch, int m_block, Tile& t) {
+  if (p.key_tile_bounds == nullptr) return;
+  const int2 bounds = __ldg(p.key_tile_bounds + static_cast<int64_t>(batch) * p.num_m_blocks + m_block);
+  const int begin = max(t.n_end - t.n_count, bounds.x);
+  const int end = min(t.n_end, bounds.y + 1);
+  t.n_count = max(end - begin, 0);
+  t.n_end = max(end, begin);
+}
+
 // The (head, batch) of a tile.
 __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* head, int* batch) {
   if (p.cu_seqlens_q == nullptr) {
@@ -653,9 +670,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
         if (kPairedSchedule && tile == kSkipRound) continue;
         if (tile < 0) break;
-        const Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+        Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
         int head, batch;
         TileHead(p, tile, &head, &batch);
+        if constexpr (kSegments) NarrowToSegments(p, batch, t.m0 / kBlockM, t);
         if (t.n_count == 0 || (!kSegments && lane != 0)) {
           kv_iter += t.n_count;
           q_iter += t.n_count > 0;
@@ -751,7 +769,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
     if (kPairedSchedule && tile == kSkipRound) continue;
     if (tile < 0) break;
-    const Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+    Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
     int q_slot = -1;  // this tile's Q slot, if it has key tiles
     // Accumulator fragment (per warp 16 rows): element 4j + 2r + c is row g + 8r, column 8j + 2t + c.
     const int row0 = tl.m0 + wg * 64 + warp * 16 + lane / 4;
@@ -760,6 +778,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     if constexpr (kSegments) {
       int head, batch;
       TileHead(p, tile, &head, &batch);
+      NarrowToSegments(p, batch, tl.m0 / kBlockM, tl);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
@@ -1122,6 +1141,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
+// Segment ids with scratch (args.scratch): computes kp->key_tile_bounds for tiles of block_m
+// queries and block_n keys on the stream; otherwise leaves it null (no tile is skipped).
+Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp,
+                            cudaStream_t stream);
 // The kernels' window sides of a call (KernelParams::left and right; the backward's too).
 void WindowSides(const ForwardParams& p, const Dims& d, int* left, int* right);
 // A sliding window much narrower than the keys: all but the first few query tiles hold the
@@ -1141,6 +1164,7 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   static_assert(C::kMaxPairedMBlocks == 0 || L::kPairedSchedule, "pairs need two Q slots and two consumer warpgroups");
   KernelParams kp;
   EJK_RETURN_IF_ERROR(PrepareKernelParams(args, L::kBlockM, L::kBlockN, &kp));
+  if constexpr (kSegments) EJK_RETURN_IF_ERROR(PrepareSegmentBounds(args, L::kBlockM, L::kBlockN, &kp, stream));
   EJK_ASSIGN_OR_RETURN(const int num_sms, CurrentDeviceSms());
   void (*kernel)(const KernelParams) =
       ForwardKernel<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kF16, kSoftcap, kSegments>;

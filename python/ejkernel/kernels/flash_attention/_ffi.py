@@ -105,6 +105,10 @@ def _cotangent_like(ct: Any, primal: Any, *inputs: Any) -> Any:
 @functools.cache
 def _attention_fn(static: _Static):
     fwd_target = f"ejkernel_flash_attention_fwd_{static.platform}"
+    if static.platform == "cuda" and static.operands & _HAS_SEGMENT_IDS:
+        # With scratch, in which the Hopper kernels find the key tiles each query tile's
+        # segments reach.
+        fwd_target = "ejkernel_flash_attention_fwd_segments_cuda"
     bwd_target = f"ejkernel_flash_attention_bwd_{static.platform}"
 
     def forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):

@@ -9,7 +9,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -145,35 +144,6 @@ __global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* 
   const float l = lse[stat];
   lse2[padded] = l == -INFINITY ? INFINITY : l * kLog2e;
   delta[padded] = sum - (dlse != nullptr ? dlse[stat] : 0.0f);
-}
-
-// Segment ids: one warp per (batch row, query tile) copies the tile's query ids into
-// q_ids_padded ([B, padded_q]; padding rows get 0, their P is 0 whatever the id) and stores the
-// smallest and largest id of its rows in tile_segments ([B, num_m_blocks]).
-constexpr int kQuerySegmentsThreads = 256;
-__global__ void __launch_bounds__(kQuerySegmentsThreads) QuerySegmentsKernel(const int* q_ids, int* q_ids_padded,
-                                                                             int2* tile_segments, int32_t tiles,
-                                                                             int32_t seqlen_q, int32_t block_m,
-                                                                             int32_t num_m_blocks) {
-  const int32_t tile = blockIdx.x * (kQuerySegmentsThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (tile >= tiles) return;  // whole warps
-  const int32_t b = tile / num_m_blocks, m0 = tile % num_m_blocks * block_m;
-  const int64_t padded_row = static_cast<int64_t>(b) * num_m_blocks * block_m;
-  int lo = INT_MAX, hi = INT_MIN;
-  for (int r = lane; r < block_m; r += 32) {
-    const int32_t i = m0 + r;
-    int id = 0;
-    if (i < seqlen_q) {
-      id = q_ids[static_cast<int64_t>(b) * seqlen_q + i];
-      lo = min(lo, id);
-      hi = max(hi, id);
-    }
-    q_ids_padded[padded_row + i] = id;
-  }
-  lo = __reduce_min_sync(0xffffffffu, lo);
-  hi = __reduce_max_sync(0xffffffffu, hi);
-  if (lane == 0) tile_segments[tile] = make_int2(lo, hi);
 }
 
 constexpr int kSinkThreads = 256;
@@ -385,11 +355,8 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
     int* q_ids_padded = reinterpret_cast<int*>(segments);
     int2* tile_segments = reinterpret_cast<int2*>(segments + AlignUp(static_cast<size_t>(d.batch * sl.padded_q) * 4));
-    const int32_t tiles = static_cast<int32_t>(d.batch * sl.num_m_blocks);
-    constexpr int kWarps = kQuerySegmentsThreads / 32;
-    QuerySegmentsKernel<<<static_cast<unsigned>((tiles + kWarps - 1) / kWarps), kQuerySegmentsThreads, 0, stream>>>(
-        f.q_segment_ids.ptr<int>(), q_ids_padded, tile_segments, tiles, kp.seqlen_q, block_m, kp.num_m_blocks);
-    EJK_RETURN_IF_ERROR(LastLaunch("query segments"));
+    EJK_RETURN_IF_ERROR(
+        hopper::LaunchTileSegments(f.q_segment_ids.ptr<int>(), tile_segments, q_ids_padded, d.batch, d.seqlen_q, block_m, stream));
     kp.q_segment_ids = q_ids_padded;
     kp.q_tile_segments = tile_segments;
     kp.kv_segment_ids = f.kv_segment_ids.ptr<int>();

@@ -283,23 +283,10 @@ __device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batc
   }
   lo = __reduce_min_sync(0xffffffffu, lo);
   hi = __reduce_max_sync(0xffffffffu, hi);
-  const int2* tiles = p.q_tile_segments + static_cast<int64_t>(batch) * p.num_m_blocks + m_lo;
-  int first = -1, last = -1;
-  for (int base = 0; base < m_count; base += 32) {
-    bool meets = false;
-    if (base + lane < m_count) {
-      const int2 range = __ldg(tiles + base + lane);
-      meets = range.x <= hi && range.y >= lo;
-    }
-    const unsigned ballot = __ballot_sync(0xffffffffu, meets);
-    if (ballot != 0) {
-      if (first < 0) first = base + __ffs(ballot) - 1;
-      last = base + 31 - __clz(ballot);
-    }
-  }
-  m_lo += max(first, 0);
-  m_count = last - first;
-  if (first >= 0) ++m_count;
+  const int2 meeting = hopper::MeetingTiles(p.q_tile_segments + static_cast<int64_t>(batch) * p.num_m_blocks + m_lo, m_count,
+                                    make_int2(lo, hi), lane);
+  m_lo += max(meeting.x, 0);
+  m_count = meeting.x < 0 ? 0 : meeting.y - meeting.x + 1;
 }
 
 // Named barriers (0 is __syncthreads), 256 threads each.

@@ -121,20 +121,25 @@ constexpr int64_t kMinSegmentTile = 64;
 
 size_t AlignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// One warp per (batch row, tile of `block` ids): the smallest and largest id of the tile.
-__global__ void __launch_bounds__(kSegmentThreads) TileSegmentsKernel(const int* ids, int2* ranges, int32_t tiles,
-                                                                      int32_t length, int32_t block,
+unsigned SegmentBlocks(int64_t warps) { return static_cast<unsigned>((warps + kSegmentWarps - 1) / kSegmentWarps); }
+
+// One warp per (batch row, tile of `block` ids); see LaunchTileSegments.
+__global__ void __launch_bounds__(kSegmentThreads) TileSegmentsKernel(const int* ids, int2* ranges, int* padded,
+                                                                      int32_t tiles, int32_t length, int32_t block,
                                                                       int32_t num_blocks) {
   const int32_t tile = blockIdx.x * kSegmentWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (tile >= tiles) return;  // whole warps
   const int32_t b = tile / num_blocks, first = tile % num_blocks * block;
-  const int32_t last = min(first + block, length);
   int lo = INT_MAX, hi = INT_MIN;
-  for (int32_t i = first + lane; i < last; i += 32) {
-    const int id = ids[static_cast<int64_t>(b) * length + i];
-    lo = min(lo, id);
-    hi = max(hi, id);
+  for (int32_t i = first + lane; i < first + block; i += 32) {
+    int id = 0;
+    if (i < length) {
+      id = ids[static_cast<int64_t>(b) * length + i];
+      lo = min(lo, id);
+      hi = max(hi, id);
+    }
+    if (padded != nullptr) padded[static_cast<int64_t>(b) * num_blocks * block + i] = id;
   }
   lo = __reduce_min_sync(0xffffffffu, lo);
   hi = __reduce_max_sync(0xffffffffu, hi);
@@ -142,30 +147,16 @@ __global__ void __launch_bounds__(kSegmentThreads) TileSegmentsKernel(const int*
 }
 
 // One warp per (batch row, query tile): the first and last key tile whose id range meets the
-// query tile's, or (1, 0) if none does. The tiles between may meet it or not (ids in any
-// order); the kernel masks them element-wise.
+// query tile's (MeetingTiles).
 __global__ void __launch_bounds__(kSegmentThreads) KeyTileBoundsKernel(const int2* q_ranges, const int2* k_ranges,
                                                                        int2* bounds, int32_t tiles,
                                                                        int32_t num_m_blocks, int32_t num_n_blocks) {
   const int32_t tile = blockIdx.x * kSegmentWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (tile >= tiles) return;  // whole warps
-  const int2 q = q_ranges[tile];
-  const int2* keys = k_ranges + static_cast<int64_t>(tile / num_m_blocks) * num_n_blocks;
-  int first = -1, last = -1;
-  for (int32_t base = 0; base < num_n_blocks; base += 32) {
-    bool meets = false;
-    if (base + lane < num_n_blocks) {
-      const int2 k = keys[base + lane];
-      meets = k.x <= q.y && k.y >= q.x;
-    }
-    const unsigned ballot = __ballot_sync(0xffffffffu, meets);
-    if (ballot != 0) {
-      if (first < 0) first = base + __ffs(ballot) - 1;
-      last = base + 31 - __clz(ballot);
-    }
-  }
-  if (lane == 0) bounds[tile] = first < 0 ? make_int2(1, 0) : make_int2(first, last);
+  const int2 meeting = MeetingTiles(k_ranges + static_cast<int64_t>(tile / num_m_blocks) * num_n_blocks,
+                                    num_n_blocks, q_ranges[tile], lane);
+  if (lane == 0) bounds[tile] = meeting;
 }
 
 // Upper bound of PrepareSegmentBounds' scratch: two arrays per query tile, one per key tile.
@@ -178,24 +169,34 @@ size_t SegmentScratchBytes(const Dims& d) {
 
 }  // namespace
 
+Status LaunchTileSegments(const int* ids, int2* ranges, int* padded, int64_t batch, int64_t length, int block,
+                          cudaStream_t stream) {
+  const int32_t num_blocks = static_cast<int32_t>((length + block - 1) / block);
+  const int32_t tiles = static_cast<int32_t>(batch * num_blocks);
+  TileSegmentsKernel<<<SegmentBlocks(tiles), kSegmentThreads, 0, stream>>>(ids, ranges, padded, tiles,
+                                                                            static_cast<int32_t>(length), block,
+                                                                            num_blocks);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention: segment ranges launch failed: ") +
+                            cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
 Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp,
                             cudaStream_t stream) {
   if (args.scratch == nullptr || kp->q_segment_ids == nullptr) return Status::Ok();
   const Dims& d = args.dims;
   const int32_t num_n_blocks = static_cast<int32_t>((d.seqlen_k + block_n - 1) / block_n);
   const int32_t q_tiles = static_cast<int32_t>(d.batch * kp->num_m_blocks);
-  const int32_t k_tiles = static_cast<int32_t>(d.batch * num_n_blocks);
   char* base = static_cast<char*>(args.scratch);
   int2* q_ranges = reinterpret_cast<int2*>(base);
   int2* bounds = reinterpret_cast<int2*>(base + AlignUp(q_tiles * sizeof(int2)));
   int2* k_ranges = reinterpret_cast<int2*>(base + 2 * AlignUp(q_tiles * sizeof(int2)));
-  const auto blocks = [](int32_t warps) { return static_cast<unsigned>((warps + kSegmentWarps - 1) / kSegmentWarps); };
-  TileSegmentsKernel<<<blocks(q_tiles), kSegmentThreads, 0, stream>>>(kp->q_segment_ids, q_ranges, q_tiles,
-                                                                       kp->seqlen_q, block_m, kp->num_m_blocks);
-  TileSegmentsKernel<<<blocks(k_tiles), kSegmentThreads, 0, stream>>>(kp->kv_segment_ids, k_ranges, k_tiles,
-                                                                       kp->seqlen_k, block_n, num_n_blocks);
-  KeyTileBoundsKernel<<<blocks(q_tiles), kSegmentThreads, 0, stream>>>(q_ranges, k_ranges, bounds, q_tiles,
-                                                                        kp->num_m_blocks, num_n_blocks);
+  EJK_RETURN_IF_ERROR(LaunchTileSegments(kp->q_segment_ids, q_ranges, nullptr, d.batch, d.seqlen_q, block_m, stream));
+  EJK_RETURN_IF_ERROR(LaunchTileSegments(kp->kv_segment_ids, k_ranges, nullptr, d.batch, d.seqlen_k, block_n, stream));
+  KeyTileBoundsKernel<<<SegmentBlocks(q_tiles), kSegmentThreads, 0, stream>>>(q_ranges, k_ranges, bounds, q_tiles,
+                                                                               kp->num_m_blocks, num_n_blocks);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: segment bounds launch failed: ") +
                             cudaGetErrorString(err));

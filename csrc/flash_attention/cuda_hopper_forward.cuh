@@ -177,7 +177,8 @@ struct KernelParams {
   const int* q_segment_ids;   // [B, Sq] and [B, Sk] (kSegments kernels; never with packed sequences)
   const int* kv_segment_ids;
   // Segment ids, or null: [B, num_m_blocks] first and last key tile whose ids meet the query
-  // tile's (PrepareSegmentBounds); the key tiles outside are hidden from all of its rows.
+  // tile's, (-1, -1) for none (PrepareSegmentBounds); the key tiles outside are hidden from all
+  // of its rows.
   const int2* key_tile_bounds;
   int64_t out_row_stride, out_batch_stride;  // elements
   float softcap_pre;   // scale / cap (soft cap only)
@@ -190,6 +191,33 @@ struct KernelParams {
 // Host launcher, instantiated per head dim in cuda_hopper_forward_hdim*.cu.
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, cudaStream_t stream);
+
+// Segment ids, both directions: the first and last of `count` tiles whose id range (smallest,
+// largest) meets `range`, or (-1, -1) if none does; one ballot per 32 tiles by the calling
+// warp (every lane gets the answer). Tiles between the two may meet it or not (ids in any
+// order), so callers mask them element-wise.
+__device__ __forceinline__ int2 MeetingTiles(const int2* tiles, int count, int2 range, int lane) {
+  int first = -1, last = -1;
+  for (int base = 0; base < count; base += 32) {
+    bool meets = false;
+    if (base + lane < count) {
+      const int2 tile = __ldg(tiles + base + lane);
+      meets = tile.x <= range.y && tile.y >= range.x;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, meets);
+    if (ballot != 0) {
+      if (first < 0) first = base + __ffs(ballot) - 1;
+      last = base + 31 - __clz(ballot);
+    }
+  }
+  return make_int2(first, last);
+}
+
+// Segment ids [batch, length] -> ranges[batch, ceil(length / block)]: each tile's smallest and
+// largest id; with `padded` non-null, also the ids padded to [batch, that many tiles * block]
+// (padding 0). On the stream, no synchronisation.
+Status LaunchTileSegments(const int* ids, int2* ranges, int* padded, int64_t batch, int64_t length, int block,
+                          cudaStream_t stream);
 
 #if EJK_HOPPER_DEVICE_CODE
 namespace device {
@@ -570,7 +598,8 @@ __device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, i
 }
 
 // Segment ids: narrows a tile's key tiles to those between the first and the last whose ids
-// meet its rows' (packed documents in order: the tiles of the rows' documents).
+// meet its rows' (packed documents in order: the tiles of the rows' documents); bounds of
+// (-1, -1) leave none.
 __device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batch, int m_block, Tile& t) {
   if (p.key_tile_bounds == nullptr) return;
   const int2 bounds = __ldg(p.key_tile_bounds + static_cast<int64_t>(batch) * p.num_m_blocks + m_block);

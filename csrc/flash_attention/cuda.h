@@ -27,6 +27,9 @@ struct CudaConfig {
   int num_stages = 2;
 };
 
+// Scratch sub-buffers start on 256-byte boundaries: bytes rounded up to the next one.
+inline size_t AlignScratch(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 // The dropout seed is a device scalar (uint32), read only when dropout is on.
 struct CudaForwardArgs {
   ForwardParams p;

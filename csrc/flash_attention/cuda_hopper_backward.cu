@@ -35,12 +35,9 @@ extern template Status LaunchSegments<256>(const KernelParams&, bool, bool, int,
 
 namespace {
 
-constexpr size_t kAlign = 256;
 constexpr int kPreprocessThreads = 256;
 constexpr int kConvertThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
-
-size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 bool HeadDimBuilt(int64_t d) {
   switch (d) {
@@ -79,7 +76,8 @@ int BlockNFor(int64_t head_dim) {
 
 struct ScratchLayout {
   int64_t num_m_blocks, padded_q, rows;
-  size_t stat_bytes, dq_bytes, segment_bytes;
+  size_t stat_bytes, dq_bytes;
+  size_t q_id_bytes, tile_segment_bytes;  // segment ids only, else 0
 };
 
 ScratchLayout ScratchFor(const Dims& d, bool segments) {
@@ -88,12 +86,10 @@ ScratchLayout ScratchFor(const Dims& d, bool segments) {
   s.num_m_blocks = (d.seqlen_q + block_m - 1) / block_m;
   s.padded_q = s.num_m_blocks * block_m;
   s.rows = d.batch * d.num_q_heads * s.padded_q;
-  s.stat_bytes = AlignUp(static_cast<size_t>(s.rows) * sizeof(float));
-  s.dq_bytes = AlignUp(static_cast<size_t>(s.rows * d.head_dim) * sizeof(float));
-  // Segment ids: the padded query ids, then the query tiles' id ranges.
-  s.segment_bytes = segments ? AlignUp(static_cast<size_t>(d.batch * s.padded_q) * sizeof(int32_t)) +
-                                   AlignUp(static_cast<size_t>(d.batch * s.num_m_blocks) * sizeof(int2))
-                             : 0;
+  s.stat_bytes = AlignScratch(static_cast<size_t>(s.rows) * sizeof(float));
+  s.dq_bytes = AlignScratch(static_cast<size_t>(s.rows * d.head_dim) * sizeof(float));
+  s.q_id_bytes = segments ? AlignScratch(static_cast<size_t>(d.batch * s.padded_q) * sizeof(int32_t)) : 0;
+  s.tile_segment_bytes = segments ? AlignScratch(static_cast<size_t>(d.batch * s.num_m_blocks) * sizeof(int2)) : 0;
   return s;
 }
 
@@ -301,7 +297,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
 size_t BackwardHopperScratchBytes(const Dims& dims, const BackwardParams& p) {
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) return 0;
   const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p));
-  return 2 * s.stat_bytes + s.dq_bytes + s.segment_bytes;
+  return 2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes;
 }
 
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
@@ -354,9 +350,9 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   if (HasSegments(p)) {
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
     int* q_ids_padded = reinterpret_cast<int*>(segments);
-    int2* tile_segments = reinterpret_cast<int2*>(segments + AlignUp(static_cast<size_t>(d.batch * sl.padded_q) * 4));
-    EJK_RETURN_IF_ERROR(
-        hopper::LaunchTileSegments(f.q_segment_ids.ptr<int>(), tile_segments, q_ids_padded, d.batch, d.seqlen_q, block_m, stream));
+    int2* tile_segments = reinterpret_cast<int2*>(segments + sl.q_id_bytes);
+    EJK_RETURN_IF_ERROR(hopper::LaunchTileSegments(f.q_segment_ids.ptr<int>(), tile_segments, q_ids_padded, d.batch,
+                                                   d.seqlen_q, block_m, stream));
     kp.q_segment_ids = q_ids_padded;
     kp.q_tile_segments = tile_segments;
     kp.kv_segment_ids = f.kv_segment_ids.ptr<int>();

@@ -119,8 +119,6 @@ constexpr int kSegmentWarps = kSegmentThreads / 32;
 // Scratch granularity: the segment kernels' tiles hold at least 64 rows and 64 keys.
 constexpr int64_t kMinSegmentTile = 64;
 
-size_t AlignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 unsigned SegmentBlocks(int64_t warps) { return static_cast<unsigned>((warps + kSegmentWarps - 1) / kSegmentWarps); }
 
 // One warp per (batch row, tile of `block` ids); see LaunchTileSegments.
@@ -162,7 +160,7 @@ __global__ void __launch_bounds__(kSegmentThreads) KeyTileBoundsKernel(const int
 // Upper bound of PrepareSegmentBounds' scratch: two arrays per query tile, one per key tile.
 size_t SegmentScratchBytes(const Dims& d) {
   const auto tiles = [&](int64_t length) {
-    return AlignUp(static_cast<size_t>(d.batch * ((length + kMinSegmentTile - 1) / kMinSegmentTile)) * sizeof(int2));
+    return AlignScratch(static_cast<size_t>(d.batch * ((length + kMinSegmentTile - 1) / kMinSegmentTile)) * sizeof(int2));
   };
   return 2 * tiles(d.seqlen_q) + tiles(d.seqlen_k);
 }
@@ -191,8 +189,8 @@ Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_
   const int32_t q_tiles = static_cast<int32_t>(d.batch * kp->num_m_blocks);
   char* base = static_cast<char*>(args.scratch);
   int2* q_ranges = reinterpret_cast<int2*>(base);
-  int2* bounds = reinterpret_cast<int2*>(base + AlignUp(q_tiles * sizeof(int2)));
-  int2* k_ranges = reinterpret_cast<int2*>(base + 2 * AlignUp(q_tiles * sizeof(int2)));
+  int2* bounds = reinterpret_cast<int2*>(base + AlignScratch(q_tiles * sizeof(int2)));
+  int2* k_ranges = reinterpret_cast<int2*>(base + 2 * AlignScratch(q_tiles * sizeof(int2)));
   EJK_RETURN_IF_ERROR(LaunchTileSegments(kp->q_segment_ids, q_ranges, nullptr, d.batch, d.seqlen_q, block_m, stream));
   EJK_RETURN_IF_ERROR(LaunchTileSegments(kp->kv_segment_ids, k_ranges, nullptr, d.batch, d.seqlen_k, block_n, stream));
   KeyTileBoundsKernel<<<SegmentBlocks(q_tiles), kSegmentThreads, 0, stream>>>(q_ranges, k_ranges, bounds, q_tiles,

@@ -39,10 +39,7 @@ extern template Status LaunchHeadDim<256>(const KernelArgs&, bool, bool, bool, c
 
 namespace {
 
-constexpr size_t kAlign = 256;
 constexpr int kRowsPerBlock = 8;  // preprocessing: one warp per row
-
-size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // delta = rowsum(dout * out) - dlse and lse in log2 units (-inf, a row that saw nothing, as
 // +inf so that every recomputed P of it is 0), both [B, Hq, Sq]; rows in q's layout order.
@@ -174,8 +171,8 @@ Status LaunchMain(int64_t d, const KernelArgs& a, bool bf16, bool general, bool 
 
 size_t BackwardMmaScratchBytes(const Dims& dims, const BackwardParams& p) {
   const size_t rows = static_cast<size_t>(dims.batch * dims.num_q_heads * dims.seqlen_q);
-  size_t bytes = 2 * mma_backward::AlignUp(rows * sizeof(float));
-  if (!p.deterministic) bytes += mma_backward::AlignUp(rows * static_cast<size_t>(dims.head_dim) * sizeof(float));
+  size_t bytes = 2 * AlignScratch(rows * sizeof(float));
+  if (!p.deterministic) bytes += AlignScratch(rows * static_cast<size_t>(dims.head_dim) * sizeof(float));
   return bytes;
 }
 
@@ -199,7 +196,7 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
   }
 
   const int64_t rows = d.batch * d.num_q_heads * d.seqlen_q;
-  const size_t stat_bytes = AlignUp(static_cast<size_t>(rows) * sizeof(float));
+  const size_t stat_bytes = AlignScratch(static_cast<size_t>(rows) * sizeof(float));
   char* base = static_cast<char*>(scratch);
   KernelArgs a;
   a.f = mma::MakeFeatureArgs(fp, d, args.dropout_seed);

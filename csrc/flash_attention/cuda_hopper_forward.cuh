@@ -645,6 +645,12 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   // serialise every wgmma of the kernel.
   constexpr int kPartialN = 64;
   constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap && !kSegments;
+  // A band's other half-masked key tile, the last one visited, narrowed to its last kPartialN
+  // keys for the warpgroups whose rows see no others: the d128 masked kernel only, which
+  // serves the bands.
+  constexpr bool kTrailingTiles = kPartialTiles && kHeadDim == 128 && kBlockN == 128;
+  // The key columns of a tile a product covers: all, the first kPartialN or the last ones.
+  enum : int { kAllKeys, kLeadingKeys, kTrailingKeys };
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -838,30 +844,39 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       q_slot = q_iter % kQStages;
       const uint32_t q_tile = q_smem(q_slot);
 
-      // S = Q K^T of one key tile. partial: the first key tile visited (the last one) when this
-      // warpgroup's rows see at most its first kPartialN keys: S over those columns only (the
-      // mask hides the rest of s) and P V over as many keys, instead of a mostly empty full
-      // tile. That is the sequence's end (S_k = 4096 with 176-key tiles leaves 48 keys in the
-      // last one; measured +0.6% at B4 S4096 H16 d128 on H100) or, with 128-key tiles, the
-      // causal diagonal for the first 64 rows. Callers pass constants, so no branch reaches
-      // the wgmma sequence.
-      const auto issue_qk = [&](int stage, bool partial) {
+      // S = Q K^T of one key tile, over `part` of its keys. kLeadingKeys: the first key tile
+      // visited (the last one) when this warpgroup's rows see at most its first kPartialN keys:
+      // S over those columns only (the mask hides the rest of s) and P V over as many keys,
+      // instead of a mostly empty full tile. That is the sequence's end (S_k = 4096 with
+      // 176-key tiles leaves 48 keys in the last one; measured +0.6% at B4 S4096 H16 d128 on
+      // H100) or, with 128-key tiles, the causal diagonal for the first 64 rows.
+      // kTrailingKeys: a window's last key tile visited when its last kPartialN keys are all
+      // that this warpgroup's rows see (in a band, the second warpgroup's). Callers pass
+      // constants, so no branch reaches the wgmma sequence.
+      const auto issue_qk = [&](int stage, int part) {
+        constexpr int kSkippedRows = kBlockN - kPartialN;
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint64_t desc_a =
               MakeDescriptor(q_tile + (kk / 4) * L::kQBlockBytes + wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
-          const uint64_t desc_b =
-              MakeDescriptor(k_smem + stage * L::kKvTileBytes + (kk / 4) * L::kKvBlockBytes + (kk % 4) * 32, 16, 1024);
-          if (partial) {
-            WgmmaSSLeading64<kF16>(s, desc_a, desc_b, kk > 0);
+          const uint32_t k_tile = k_smem + stage * L::kKvTileBytes + (kk / 4) * L::kKvBlockBytes + (kk % 4) * 32;
+          if (part == kLeadingKeys) {
+            WgmmaSSLeading64<kF16>(s, desc_a, MakeDescriptor(k_tile, 16, 1024), kk > 0);
+          } else if (part == kTrailingKeys) {
+            // Into the first 32 accumulators (a wgmma into the upper ones made ptxas serialise
+            // every wgmma of the kernel, C7511); the caller moves them to their columns.
+            static_assert(kSkippedRows % 8 == 0, "the K rows skipped must be whole swizzle atoms");
+            WgmmaSSLeading64<kF16>(s, desc_a, MakeDescriptor(k_tile + kSkippedRows * 128, 16, 1024), kk > 0);
           } else {
-            WgmmaSS<kF16>(s, desc_a, desc_b, kk > 0);
+            WgmmaSS<kF16>(s, desc_a, MakeDescriptor(k_tile, 16, 1024), kk > 0);
           }
         }
       };
-      const auto issue_pv = [&](int stage, bool partial) {
+      const auto issue_pv = [&](int stage, int part) {
+        constexpr int kFirstStep = (kBlockN - kPartialN) / 16;
 #pragma unroll
-        for (int kk = 0; kk < (partial ? kPartialN : kBlockN) / 16; ++kk) {
+        for (int kk = part == kTrailingKeys ? kFirstStep : 0; kk < (part == kLeadingKeys ? kPartialN : kBlockN) / 16;
+             ++kk) {
           const uint32_t a[4] = {pr[4 * kk], pr[4 * kk + 1], pr[4 * kk + 2], pr[4 * kk + 3]};
           const uint64_t desc_b =
               MakeDescriptor(v_smem + stage * L::kKvTileBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
@@ -977,19 +992,28 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       // wgmma descriptors of the whole tile loop out of uniform registers.
       const bool first_partial =
           kPartialTiles && __shfl_sync(0xffffffffu, wg_key_hi - (tl.n_end - 1) * kBlockN <= kPartialN, 0);
+      // Likewise for the last key tile visited when the rows' keys begin in its last
+      // kPartialN (and it is neither the first tile nor the second, which have their own
+      // variants).
+      bool last_trailing = false;
+      if constexpr (kTrailingTiles) {
+        const int wg_key_lo = tl.m0 + wg * 64 + tl.k_len - tl.q_len - p.left;
+        last_trailing = __shfl_sync(
+            0xffffffffu, tl.n_count >= 3 && wg_key_lo - (tl.n_end - tl.n_count) * kBlockN >= kBlockN - kPartialN, 0);
+      }
       MbarWait(k_full(stage), (kv_iter / kStages) & 1);
       NamedBarrierSync(own_barrier, 256);
-      const auto first_qk = [&](bool partial) {
+      const auto first_qk = [&](int part) {
         WgmmaFence();
-        issue_qk(stage, partial);
+        issue_qk(stage, part);
         WgmmaCommit();
         NamedBarrierArrive(next_barrier, 256);
         WgmmaWait<0>();
       };
       if (first_partial) {
-        first_qk(true);
+        first_qk(kLeadingKeys);
       } else {
-        first_qk(false);
+        first_qk(kAllKeys);
       }
       FenceRegisters(s);
       release(k_empty(stage));
@@ -1007,7 +1031,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       // One key tile: S of tile `it` and P V of tile it - 1 in flight while the softmax runs.
       // Branches choosing between wgmma sequences hold whole steps (each ends with every
       // product complete): a branch around only part of one makes ptxas serialise wgmma.
-      const auto step = [&](int it, bool partial_pv) {
+      const auto step = [&](int it, int pv_part, int qk_part) {
         const int prev = stage;
         const uint32_t prev_phase = ((kv_iter + it - 1) / kStages) & 1;
         stage = (kv_iter + it) % kStages;
@@ -1017,13 +1041,21 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         FenceRegisters(pr);
         FenceRegisters(o);
         WgmmaFence();
-        issue_qk(stage, false);
+        issue_qk(stage, qk_part);
         WgmmaCommit();
-        issue_pv(prev, partial_pv);
+        issue_pv(prev, pv_part);
         WgmmaCommit();
         NamedBarrierArrive(next_barrier, 256);
         WgmmaWait<1>();
         FenceRegisters(s);
+        if (qk_part == kTrailingKeys) {
+          // S of the last kPartialN keys to their columns; the others are masked below.
+          constexpr int kFirst = (kBlockN - kPartialN) / 2;
+#pragma unroll
+          for (int i = kPartialN / 2 - 1; i >= 0; --i) s[kFirst + i] = s[i];
+#pragma unroll
+          for (int i = 0; i < kFirst; ++i) s[i] = -INFINITY;
+        }
         release(k_empty(stage));
         if constexpr (kSegments) MbarWait(v_full(stage), ((kv_iter + it) / kStages) & 1);
         softmax(tl.n_end - 1 - it, stage, correction);
@@ -1036,12 +1068,13 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       };
       if (tl.n_count > 1) {
         if (first_partial) {
-          step(1, true);
+          step(1, kLeadingKeys, kAllKeys);
         } else {
-          step(1, false);
+          step(1, kAllKeys, kAllKeys);
         }
       }
-      for (int it = 2; it < tl.n_count; ++it) step(it, false);
+      for (int it = 2; it < tl.n_count - (last_trailing ? 1 : 0); ++it) step(it, kAllKeys, kAllKeys);
+      if (last_trailing) step(tl.n_count - 1, kAllKeys, kTrailingKeys);
 
       // Q is no longer read: the producer may load the next tile's (unless O leaves through it).
       if (!stage_out) release(q_empty(q_slot));
@@ -1050,17 +1083,19 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       FenceRegisters(pr);
       FenceRegisters(o);
       // The last consumer's final turn has no successor (the first one is done with the tile).
-      const auto last_pv = [&](bool partial_pv) {
+      const auto last_pv = [&](int part) {
         WgmmaFence();
-        issue_pv(stage, partial_pv);
+        issue_pv(stage, part);
         WgmmaCommit();
         if (wg != kWarpgroups - 1) NamedBarrierArrive(next_barrier, 256);
         WgmmaWait<0>();
       };
       if (tl.n_count == 1 && first_partial) {
-        last_pv(true);
+        last_pv(kLeadingKeys);
+      } else if (last_trailing) {
+        last_pv(kTrailingKeys);
       } else {
-        last_pv(false);
+        last_pv(kAllKeys);
       }
       FenceRegisters(o);
       release_v(v_empty(stage));

@@ -138,6 +138,10 @@ CASES = [
     # A window with keys on both sides, Sq < Sk: the first query rows' last key tile is partial.
     Case("tiles_d128_window_both_sq<sk", dtype="bfloat16", batch=2, seq_q=260, seq_k=300, q_heads=4, kv_heads=2,
          head_dim=128, window=(150, 30)),
+    # A band three key tiles wide: the second warpgroup's rows see only the upper keys of the
+    # last key tile visited (or none of them), which it computes narrow.
+    Case("tiles_d128_band_f16", dtype="float16", batch=1, seq_q=1100, seq_k=1100, q_heads=2, kv_heads=1,
+         head_dim=128, causal=True, window=(250, -1)),
     # Packed sequences on the Hopper backward: query tiles shared by neighbouring sequences,
     # partial key blocks, keys or queries of a sequence alone, padding rows and keys.
     Case("varlen_tiles_causal_bf16_d128_gqa", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4, kv_heads=2,

@@ -498,6 +498,11 @@ __device__ __forceinline__ int Clamp(int x, int lo, int hi) { return x < lo ? lo
 // shortest tiles of the last section (a causal grid finishes evenly), while concurrent blocks
 // read the K and V of a few heads only, which stay in L2.
 __device__ __forceinline__ void DenseTile(const KernelParams& p, int tile, int* bh, int* m_block) {
+  if (p.section == 1) {  // every persistent grid: one division instead of three
+    *bh = tile / p.num_m_blocks;
+    *m_block = p.num_m_blocks - 1 - (tile - *bh * p.num_m_blocks);
+    return;
+  }
   const int per_section = p.section * p.num_m_blocks;
   const int first = tile / per_section * p.section;
   const int pairs = min(p.section, p.num_q_heads * p.batch - first);
@@ -609,13 +614,14 @@ __device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batc
   t.n_end = max(end, begin);
 }
 
-// The (head, batch) of a tile.
+// The (head, batch) of a tile (recomputed where needed: kept in registers through the tile,
+// they would make ptxas serialise the 176-key kernel's wgmma).
 __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* head, int* batch) {
   if (p.cu_seqlens_q == nullptr) {
     int bh, m_block;
     DenseTile(p, tile, &bh, &m_block);
-    *head = bh % p.num_q_heads;
     *batch = bh / p.num_q_heads;
+    *head = bh - *batch * p.num_q_heads;
   } else {
     *head = tile / p.num_m_blocks;
     *batch = 0;

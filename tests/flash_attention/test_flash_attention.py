@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -200,7 +201,7 @@ def make_inputs(case: Case, rng: np.random.Generator):
         arrays["bias"] = normal(*broadcast_shape(case.bias), dt=jnp.dtype(case.bias_dtype or case.dtype))
     if case.mask is not None:
         mask = rng.random(broadcast_shape(case.mask)) < 0.85
-        mask[..., rng.choice(seq_q, 3, replace=False), :] = False  # rows that see nothing
+        mask[..., rng.choice(seq_q, min(3, seq_q), replace=False), :] = False  # rows that see nothing
         arrays["attention_mask"] = jnp.asarray(mask)
     if case.sinks:
         arrays["softmax_aux"] = normal(case.q_heads, dt=jnp.float32)
@@ -313,7 +314,87 @@ def assert_same(name: str, got, want, rel: float = 1e-5) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_reference(impl, case: Case, rng):
     """out, lse and (where the implementation has a backward) every gradient."""
-    case = impl.adapt(case)
+    check_against_reference(impl, impl.adapt(case), rng)
+
+
+def random_varlen(rng: np.random.Generator, max_len: int) -> tuple:
+    """A packed layout (VARLEN's form) of 1-5 sequences: empty and length-1 sequences on either
+    side, lengths that differ between queries and keys, padding rows and keys after the last."""
+    count = int(rng.integers(1, 6))
+
+    def lengths():
+        return [int(rng.choice([0, 1, rng.integers(2, max(3, max_len // count))])) for _ in range(count)]
+
+    q_lengths, k_lengths = lengths(), lengths()
+    cu_q, cu_k = np.cumsum([0, *q_lengths]), np.cumsum([0, *k_lengths])
+    rows = int(cu_q[-1] + rng.integers(0, 12)) or 1
+    keys = int(cu_k[-1] + rng.integers(0, 12)) or 1
+    return tuple(map(int, cu_q)), tuple(map(int, cu_k)), rows, keys
+
+
+def random_case(rng: np.random.Generator, name: str, max_len: int, max_scores: float) -> Case:
+    """Features drawn independently (each with its own odds), shapes from a few keys up to
+    max_len, with at most max_scores score elements (batch x heads x queries x keys)."""
+    head_dim = int(rng.choice([64, 64, 96, 128, 128, 128, 192, 256, 256]))
+    kv_heads = int(rng.integers(1, 3))
+    q_heads = kv_heads * int(rng.choice([1, 2, 4]))
+
+    def length():
+        return int(rng.choice([rng.integers(1, 24), rng.integers(24, max_len // 3), rng.integers(max_len // 3, max_len + 1)]))
+
+    seq_q = length()
+    seq_k = seq_q if rng.random() < 0.5 else length()
+    batch = int(rng.integers(1, 4))
+    while batch > 1 and batch * q_heads * seq_q * seq_k > max_scores:
+        batch -= 1
+    seq_q, seq_k = (max(1, int(s * min(1.0, (max_scores / (batch * q_heads * seq_q * seq_k)) ** 0.5))) for s in (seq_q, seq_k))
+
+    def side():
+        return int(rng.choice([-1, rng.integers(0, 16), rng.integers(16, max(17, seq_k))]))
+
+    causal = bool(rng.random() < 0.4)
+    window = None
+    if rng.random() < 0.35:
+        window = (side(), -1 if causal else side())
+        if window == (-1, -1):
+            window = (int(rng.integers(0, max(1, seq_k))), -1)
+    varlen = segments = None
+    draw = rng.random()
+    if draw < 0.15:
+        varlen = random_varlen(rng, max_len)
+    elif draw < 0.3:
+        segments = True if rng.random() < 0.7 else "shuffled"
+    return Case(
+        name, batch=batch, seq_q=seq_q, seq_k=seq_k, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        dtype=str(rng.choice(["float32", "bfloat16", "float16"])), causal=causal, window=window,
+        soft_cap=float(rng.uniform(2.0, 10.0)) if rng.random() < 0.2 else None,
+        sinks=bool(rng.random() < 0.25),
+        bias=str(rng.choice(["BH", "B1", "1H", "11"])) if rng.random() < 0.12 else None,
+        bias_dtype="float32" if rng.random() < 0.3 else None,
+        mask=str(rng.choice(["BH", "B1", "1H", "11"])) if rng.random() < 0.1 else None,
+        segments=segments or False, varlen=varlen,
+        dropout=float(rng.uniform(0.05, 0.4)) if rng.random() < 0.1 else 0.0,
+        deterministic=bool(rng.random() < 0.1), key_ramp=bool(rng.random() < 0.1),
+    )
+
+
+# Besides the fixed cases, every run draws EJK_RANDOM_CASES random ones per implementation
+# (scripts/gpu_check.sh draws 300). CUDA cases reach 1300 queries and keys, ten or more of
+# its kernels' tiles each way; the CPU and XLA ones stay short, for the CPU's sake.
+RANDOM_CASES = int(os.environ.get("EJK_RANDOM_CASES", "4"))
+
+
+@pytest.mark.parametrize("index", range(RANDOM_CASES))
+def test_random_case_matches_reference(impl, index, rng):
+    on_gpu = impl.name == "cuda"
+    case = impl.adapt(random_case(rng, f"random{index}", max_len=1300 if on_gpu else 160,
+                                  max_scores=4e6 if on_gpu else 3e5))
+    print(case)  # with the printed seed, what a failure needs to be reproduced
+    check_against_reference(impl, case, rng)
+
+
+def check_against_reference(impl, case: Case, rng) -> None:
+    """out, lse and (where the implementation has a backward) every gradient."""
     impl.require(*case.features())
     q, k, v, arrays, static = make_inputs(case, rng)
     kwargs = {**arrays, **static}

@@ -25,8 +25,8 @@ if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
 fi
 "$PYTHON" -X faulthandler -m ejkernel 2>&1 | tee "$OUT/info.txt"
 
-# 300 random flash attention cases on top of the fixed ones (~2 minutes on an H100); XLA's
-# autotuning of every new shape's matrix products would cost more than the tests.
+# 300 random cases per implementation of each family on top of the fixed ones (~3 minutes on
+# an H100); XLA's autotuning of every new shape's matrix products would cost more than the tests.
 EJK_RANDOM_CASES=${EJK_RANDOM_CASES:-300} XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 tests/flash_attention tests/paged_attention tests/runtime \
   -k "${GPU_CHECK_TESTS:-cuda or xla}" 2>&1 | tee "$OUT/tests.log" | tail -15

@@ -20,8 +20,11 @@
 // page ids fetched one block ahead); scores and outputs use mma.sync m16n8k16 (bf16 or f16
 // operands, fp32 accumulation) and an fp32 online softmax in base 2. fp8 caches are staged
 // as bytes and widened to f16 fragments in registers (exact: every e4m3 value, times 2^-8,
-// is an f16); k_scale folds into the logit scale and v_scale into the output. f32 caches
-// and head dims other than 64/128/256 run on a SIMT kernel (one warp per query row and head).
+// is an f16); k_scale folds into the logit scale and v_scale into the output. The tensor
+// cores take q as it is (bf16 or f16 with a cache of its dtype; bf16 q with an fp8 cache
+// widens exactly to f16). Every other pairing (f32 q, q and cache of different 16-bit
+// dtypes, f32 caches) and head dims other than 64/128/256 run on a SIMT kernel in fp32 (one
+// warp per query row and head): rounding q to the cache's dtype would cost it precision.
 //
 // Decode tiles read every page once per call: their copies carry an L2 evict-first policy,
 // so the stream (usually far larger than L2) leaves the code, metadata and partials of this
@@ -261,35 +264,25 @@ __device__ __forceinline__ uint32_t PackElems(float lo, float hi) {
   return cu::PackFloat2<Elem>(lo, hi);
 }
 
-// Eight consecutive q elements as Elem, from any q dtype.
+// Eight consecutive q elements (bf16 or f16, UsesMma) as Elem.
 template <typename Elem>
 __device__ __forceinline__ uint4 LoadQChunk(const Args& a, int64_t index) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + index);
+  if (a.q_dtype == ElemTraits<Elem>::kDType) return raw;
   float f[8];
-  if (a.q_dtype == DType::kF32) {
-    const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(a.q) + index);
-    const float4 x = src[0], y = src[1];
-    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w; f[4] = y.x; f[5] = y.y; f[6] = y.z; f[7] = y.w;
-  } else {
-    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + index);
-    if (a.q_dtype == ElemTraits<Elem>::kDType) return raw;
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffffu), hi = static_cast<uint16_t>(w[i] >> 16);
-      f[2 * i] = a.q_dtype == DType::kBF16 ? BF16ToFloat(lo) : F16ToFloat(lo);
-      f[2 * i + 1] = a.q_dtype == DType::kBF16 ? BF16ToFloat(hi) : F16ToFloat(hi);
-    }
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffffu), hi = static_cast<uint16_t>(w[i] >> 16);
+    f[2 * i] = a.q_dtype == DType::kBF16 ? BF16ToFloat(lo) : F16ToFloat(lo);
+    f[2 * i + 1] = a.q_dtype == DType::kBF16 ? BF16ToFloat(hi) : F16ToFloat(hi);
   }
   return make_uint4(PackElems<Elem>(f[0], f[1]), PackElems<Elem>(f[2], f[3]), PackElems<Elem>(f[4], f[5]),
                     PackElems<Elem>(f[6], f[7]));
 }
 
-// Eight fp32 values into out (dtype of q) at element `index`.
+// Eight fp32 values into out (bf16 or f16, the dtype of q) at element `index`.
 __device__ __forceinline__ void StoreOutChunk(const Args& a, int64_t index, const float (&v)[8]) {
-  if (a.q_dtype == DType::kF32) {
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + index);
-    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else if (a.q_dtype == DType::kBF16) {
+  if (a.q_dtype == DType::kBF16) {
     *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + index) =
         make_uint4(cu::PackFloat2<__nv_bfloat16>(v[0], v[1]), cu::PackFloat2<__nv_bfloat16>(v[2], v[3]),
                    cu::PackFloat2<__nv_bfloat16>(v[4], v[5]), cu::PackFloat2<__nv_bfloat16>(v[6], v[7]));
@@ -319,11 +312,9 @@ struct SmemLayout {
   static constexpr int kBytes = kQBytes + (kStageBytes > kEpiBytes ? kStageBytes : kEpiBytes);
 };
 
-// Four fp32 values into out (dtype of q) at element `index`.
+// Four fp32 values into out (bf16 or f16, the dtype of q) at element `index`.
 __device__ __forceinline__ void StoreOut4(const Args& a, int64_t index, float4 v) {
-  if (a.q_dtype == DType::kF32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(a.out) + index) = v;
-  } else if (a.q_dtype == DType::kBF16) {
+  if (a.q_dtype == DType::kBF16) {
     *reinterpret_cast<uint2*>(static_cast<uint16_t*>(a.out) + index) =
         make_uint2(cu::PackFloat2<__nv_bfloat16>(v.x, v.y), cu::PackFloat2<__nv_bfloat16>(v.z, v.w));
   } else {
@@ -645,7 +636,10 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
   const int64_t head_offset = kv_head * a.head_stride;
   int32_t pages[Stage::kLoads];
 
-  const int key_end = static_cast<int>(key_hi);
+  // Keys outside [key_begin, key_end) are hidden from every row of the tile: their slots are
+  // neither read nor their page ids looked up (before kv_start they may be freed pages, and a
+  // masked key's garbage would still reach O as 0 x NaN), the copies zero-fill them instead.
+  const int key_begin = static_cast<int>(key_lo), key_end = static_cast<int>(key_hi);
   const int page_size = static_cast<int>(a.page_size);
   auto fetch_pages = [&](int block) {
     const int kv0 = block_key(block);
@@ -653,7 +647,7 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     for (int i = 0; i < Stage::kLoads; ++i) {
       const int j = kv0 + my_key + i * Stage::kKeyStep;
       int32_t page = 0;
-      if (kv0 >= 0 && j < key_end) {
+      if (kv0 >= 0 && j >= key_begin && j < key_end) {
         page = __ldg(table + (a.page_shift >= 0 ? (j >> a.page_shift) : j / page_size));
       }
       pages[i] = page;
@@ -669,7 +663,7 @@ __device__ __forceinline__ void AttendTile(const Args& a, char* smem, const Seq&
     for (int i = 0; i < Stage::kLoads; ++i) {
       const int key = my_key + i * Stage::kKeyStep;
       const int j = kv0 + key;
-      const bool valid = kv0 >= 0 && j < key_end;
+      const bool valid = kv0 >= 0 && j >= key_begin && j < key_end;
       int64_t offset = 0;
       if (valid) {
         const int slot = a.page_shift >= 0 ? (j & (page_size - 1)) : j % page_size;
@@ -1225,9 +1219,9 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Arg
 
 bool MmaHeadDim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-bool UsesMma(const Dims& dims, DType cache_dtype) {
-  return MmaHeadDim(dims.head_dim) &&
-         (cache_dtype == DType::kBF16 || cache_dtype == DType::kF16 || cache_dtype == DType::kF8E4M3);
+bool UsesMma(const Dims& dims, DType q_dtype, DType cache_dtype) {
+  const bool q_16bit = q_dtype == DType::kBF16 || q_dtype == DType::kF16;
+  return MmaHeadDim(dims.head_dim) && q_16bit && (cache_dtype == q_dtype || cache_dtype == DType::kF8E4M3);
 }
 
 // Large tiles per kv head and split (LargeTileStart's numbering), and which numbering.
@@ -1393,7 +1387,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
     const size_t rows = static_cast<size_t>(dims.num_tokens) * dims.num_q_heads;
     a.partial_ml = a.partial_o + a.num_splits * rows * D;
     a.split_counters = reinterpret_cast<unsigned int*>(a.partial_ml + a.num_splits * rows * 2);
-    a.dynamic_splits = UsesMma(dims, a.cache_dtype) && D <= kMaxFusedHeadDim;
+    a.dynamic_splits = UsesMma(dims, a.q_dtype, a.cache_dtype) && D <= kMaxFusedHeadDim;
     if (a.dynamic_splits) {
       const int64_t counters = static_cast<int64_t>(rows) * 2;
       ZeroCountersKernel<<<static_cast<unsigned>(std::min<int64_t>(1024, (counters + 255) / 256)), 256, 0, stream>>>(
@@ -1401,7 +1395,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
       EJK_RETURN_IF_ERROR(LastLaunchError("split counter reset"));
     }
   }
-  if (UsesMma(dims, a.cache_dtype)) {
+  if (UsesMma(dims, a.q_dtype, a.cache_dtype)) {
     SetLargeTiles(dims, &a);
     if (a.cache_dtype == DType::kF8E4M3) {
       a.logit_scale *= kFp8HalfScale;

@@ -193,6 +193,11 @@ def test_cache_update(impl, case, rng):
     if "fp8" in case:  # exercise saturation: a few new values beyond the largest float8
         batch["new_keys"][0, 0, :3] = np.asarray([1e3, -1e3, 30.0], np.float32).astype(batch["new_keys"].dtype)
         args = core_args(batch)
+    check_update_then_attention(impl, batch, args)
+
+
+def check_update_then_attention(impl, batch: dict, args: PagedArgs) -> None:
+    """The updated caches equal the NumPy scatter, then attention over them is checked."""
     key_cache, value_cache = impl.update(args)
     want_k, want_v = _check_update(batch, key_cache, value_cache)
     updated = {**batch, "key_cache": want_k, "value_cache": want_v}
@@ -246,11 +251,9 @@ def test_random_batch_matches_reference(impl, index, rng):
     args = core_args(batch)
     impl.require(*args.features())
     if spec.update:
-        key_cache, value_cache = impl.update(args)
-        want_k, want_v = _check_update(batch, key_cache, value_cache)
-        batch = {**batch, "key_cache": want_k, "value_cache": want_v}
-        args = dataclasses.replace(args, key_cache=key_cache, value_cache=value_cache)
-    check_output(impl.attention(args), batch, args)
+        check_update_then_attention(impl, batch, args)
+    else:
+        check_output(impl.attention(args), batch, args)
 
 
 def test_jit_with_traced_metadata(impl, rng):

@@ -159,10 +159,19 @@ def reference_grads(query, key, value, *, dout, dlse=None, bias=None, attention_
                     cum_seqlens_q=None, cum_seqlens_k=None, q_segment_ids=None, kv_segment_ids=None,
                     softmax_scale: float, causal: bool = False, sliding_window=None,
                     logits_soft_cap: float | None = None, dropout_prob: float = 0.0, dropout_seed=None,
-                    return_outputs: bool = False, compute_dtype=np.float64, deterministic: bool = False):
+                    return_outputs: bool = False, compute_dtype=np.float64, deterministic: bool = False,
+                    delta_error: float | None = None):
     """Gradients of <out, dout> + <lse, dlse> for query, key, value and, when given, bias
     (in its broadcast shape) and softmax_aux, by autodiff of the reference: a dict keyed by
-    argument name. With return_outputs, (out, lse, grads) from the same evaluation."""
+    argument name. With return_outputs, (out, lse, grads) from the same evaluation.
+
+    With delta_error (a dtype's epsilon), one more dict, last: per element, how far each
+    gradient moves when the flash backward's delta_i = sum_d dout_id out_id is off by
+    delta_error * ||dout_i * out_i||_2. A flash backward computes dS = P (dP - delta) with
+    delta from the output in its dtype, summed in another order than dP; an error in delta
+    enters every gradient as an error in the lse cotangent does. Where a row's softmax is
+    nearly one-hot (one visible key, the first row of a causal sequence) dP - delta cancels
+    almost entirely and that error outweighs the same-dtype reference's."""
     with jax.enable_x64(True):
         (q, k, v, b, aux), static = _prepare(
             query, key, value, bias, softmax_aux, attention_mask, cum_seqlens_q, cum_seqlens_k,
@@ -178,13 +187,24 @@ def reference_grads(query, key, value, *, dout, dlse=None, bias=None, attention_
                                   logits_soft_cap=logits_soft_cap)
 
             outputs, vjp = jax.vjp(fn, q, k, v, b, aux)
-            return outputs, vjp(cotangents)
+            if delta_error is None:
+                return outputs, vjp(cotangents), None
+            out = outputs[0]
+            slack = delta_error * jnp.sqrt(jnp.sum(jnp.square(cotangents[0] * out), axis=-1)).transpose(0, 2, 1)
+            return outputs, vjp(cotangents), vjp((jnp.zeros_like(out), slack))
 
-        (out, lse), (dq, dk, dv, db, daux) = jax.jit(outputs_and_grads)(q, k, v, b, aux, cotangents)
-        grads = {"query": np.asarray(dq), "key": np.asarray(dk), "value": np.asarray(dv)}
-        if bias is not None:
-            grads["bias"] = np.asarray(db)
-        if softmax_aux is not None:
-            grads["softmax_aux"] = np.asarray(daux)
+        def by_name(dq, dk, dv, db, daux):
+            named = {"query": np.asarray(dq), "key": np.asarray(dk), "value": np.asarray(dv)}
+            if bias is not None:
+                named["bias"] = np.asarray(db)
+            if softmax_aux is not None:
+                named["softmax_aux"] = np.asarray(daux)
+            return named
+
+        (out, lse), raw_grads, raw_moved = jax.jit(outputs_and_grads)(q, k, v, b, aux, cotangents)
+        grads = by_name(*raw_grads)
         out, lse = np.asarray(out), np.asarray(lse)
-    return (out, lse, grads) if return_outputs else grads
+    result = (out, lse, grads) if return_outputs else (grads,)
+    if delta_error is not None:
+        result += ({name: np.abs(moved) for name, moved in by_name(*raw_moved).items()},)
+    return result if len(result) > 1 else result[0]

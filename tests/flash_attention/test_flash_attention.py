@@ -269,20 +269,30 @@ def forward_and_grads(fn, q, k, v, arrays, static, dout, dlse):
 
 
 def summed_terms(name: str, q, k) -> int:
-    """Terms summed into each element of d<name> (whose float32 rounding grows with the square
-    root of their count): dquery sums over keys, dkey/dvalue over the query rows of their GQA
-    group, a sink's or a broadcast bias's cotangent over rows and heads."""
+    """Terms summed into each element of out or d<name> (whose float32 rounding grows with the
+    square root of their count): out and dquery sum over keys, dkey/dvalue over the query rows
+    of their GQA group, a sink's or a broadcast bias's cotangent over rows and heads."""
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    return {"query": sk, "key": sq * (hq // hk), "value": sq * (hq // hk), "softmax_aux": b * sq,
+    return {"out": sk, "query": sk, "key": sq * (hq // hk), "value": sq * (hq // hk), "softmax_aux": b * sq,
             "bias": b * hq}.get(name, 1)
 
 
-def assert_close(name: str, got, want, same_dtype, terms: int = 1) -> None:
-    """|got - want| <= 2 |same_dtype - want| + ~1e-6 relative (x sqrt(terms) for sums of terms),
-    in max norm; infinities must match. The same-dtype error counts at least the rounding of its
-    result (half of the dtype's epsilon at the largest magnitude): an output of a few elements,
-    such as a sink's gradient per head, can land closer than that by chance."""
+def delta_error(dtype) -> float:
+    """The relative error of a flash backward's delta_i = sum_d dout_id out_id (reference_grads):
+    the output's rounding to its dtype (half an epsilon per element) in bf16/f16; in float32
+    the two float32 sums that should cancel (delta and dP, in different orders), with a margin
+    for the largest of many rows (3 epsilons: the XLA implementation on an H100 reached 1.1)."""
+    return max(float(jnp.finfo(dtype).eps), 3 * float(jnp.finfo(jnp.float32).eps))
+
+
+def assert_close(name: str, got, want, same_dtype, terms: int = 1, allowance=0.0) -> None:
+    """|got - want| - allowance <= 2 |same_dtype - want| + ~1e-6 relative (x sqrt(terms) for
+    sums of terms), in max norm; infinities must match. The same-dtype error counts at least
+    the rounding of its result (half of the dtype's epsilon at the largest magnitude): an
+    output of a few elements, such as a sink's gradient per head, can land closer than that by
+    chance. `allowance` (per element) is what the flash backward's delta may add to a
+    gradient's error (reference_grads' delta_error)."""
     eps = float(jnp.finfo(same_dtype.dtype).eps)
     got, want, approx = (np.asarray(x, np.float64) for x in (got, want, same_dtype))
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
@@ -292,13 +302,14 @@ def assert_close(name: str, got, want, same_dtype, terms: int = 1) -> None:
     assert np.isfinite(got[finite]).all(), f"{name}: infinite where the reference is finite"
     if not finite.any():
         return
-    err = np.abs(got[finite] - want[finite]).max()
+    err = (np.abs(got[finite] - want[finite]) - np.broadcast_to(allowance, want.shape)[finite]).max()
     ref_err = np.abs(approx[finite] - want[finite]).max()
     assert np.isfinite(ref_err), f"{name}: the same-dtype reference is not finite"
     ref_err = max(ref_err, 0.5 * eps * np.abs(want[finite]).max())
     floor = 2.0**-20 * max(1.0, np.abs(want[finite]).max()) * np.sqrt(terms)
     assert err <= 2 * ref_err + floor, (
-        f"{name}: max error {err:.3g} > 2 x same-dtype reference error {ref_err:.3g} + {floor:.2g}"
+        f"{name}: max error {err:.3g} (past the delta allowance) > 2 x same-dtype reference error "
+        f"{ref_err:.3g} + {floor:.2g}"
     )
 
 
@@ -402,7 +413,8 @@ def check_against_reference(impl, case: Case, rng) -> None:
     if with_grads:
         dout, dlse = cotangents_for(q, rng)
         (out, lse), grads = forward_and_grads(impl.fn, q, k, v, arrays, static, dout, dlse)
-        want_out, want_lse, want = reference_grads(q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True)
+        want_out, want_lse, want, allowance = reference_grads(
+            q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True, delta_error=delta_error(q.dtype))
         approx_out, approx_lse, approx = reference_grads(
             q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True, compute_dtype=q.dtype)
     else:
@@ -411,14 +423,14 @@ def check_against_reference(impl, case: Case, rng) -> None:
         approx_out, approx_lse = attention_reference(q, k, v, **kwargs, compute_dtype=q.dtype)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    assert_close("out", out, want_out, approx_out)
+    assert_close("out", out, want_out, approx_out, summed_terms("out", q, k))
     assert_close("lse", lse, want_lse, approx_lse)
     if with_grads:
         assert set(grads) == set(want)
         primals = {"query": q, "key": k, "value": v, **arrays}
         for name in want:
             assert grads[name].dtype == primals[name].dtype, f"d{name}: dtype {grads[name].dtype}"
-            assert_close(f"d{name}", grads[name], want[name], approx[name], summed_terms(name, q, k))
+            assert_close(f"d{name}", grads[name], want[name], approx[name], summed_terms(name, q, k), allowance[name])
 
 
 def test_fully_masked_is_zero_and_finite(impl, rng):
@@ -538,10 +550,11 @@ def test_grad_and_checkpoint(impl, rng):
     remat = jax.jit(jax.grad(functools.partial(loss, jax.checkpoint(attention)), argnums=range(5)))(*args)
     for name, a, b in zip(DIFFERENTIABLE, plain, remat):
         assert_same(name, a, b)
-    want = reference_grads(q, k, v, dout=dout, dlse=dlse, **arrays, **static)
+    want, allowance = reference_grads(q, k, v, dout=dout, dlse=dlse, **arrays, **static,
+                                      delta_error=delta_error(q.dtype))
     approx = reference_grads(q, k, v, dout=dout, dlse=dlse, **arrays, **static, compute_dtype=q.dtype)
     for name, g in zip(DIFFERENTIABLE, plain):
-        assert_close(f"d{name}", g, want[name], approx[name], summed_terms(name, q, k))
+        assert_close(f"d{name}", g, want[name], approx[name], summed_terms(name, q, k), allowance[name])
 
 
 def test_integer_and_bool_inputs_get_float0_cotangents(impl, rng):
@@ -608,12 +621,12 @@ def test_xla_block_sizes(blocks, rng):
     dout, dlse = cotangents_for(q, rng)
     (out, lse), grads = forward_and_grads(fn, q, k, v, arrays, static, dout, dlse)
     kwargs = dict(dout=dout, dlse=dlse, **arrays, **static, return_outputs=True)
-    want_out, want_lse, want = reference_grads(q, k, v, **kwargs)
+    want_out, want_lse, want, allowance = reference_grads(q, k, v, **kwargs, delta_error=delta_error(q.dtype))
     approx_out, approx_lse, approx = reference_grads(q, k, v, **kwargs, compute_dtype=q.dtype)
-    assert_close("out", out, want_out, approx_out)
+    assert_close("out", out, want_out, approx_out, summed_terms("out", q, k))
     assert_close("lse", lse, want_lse, approx_lse)
     for name in want:
-        assert_close(f"d{name}", grads[name], want[name], approx[name], summed_terms(name, q, k))
+        assert_close(f"d{name}", grads[name], want[name], approx[name], summed_terms(name, q, k), allowance[name])
 
 
 def test_xla_small_inputs_use_small_blocks():

@@ -204,7 +204,8 @@ def reference_grads(query, key, value, *, dout, dlse=None, bias=None, attention_
         (out, lse), raw_grads, raw_moved = jax.jit(outputs_and_grads)(q, k, v, b, aux, cotangents)
         grads = by_name(*raw_grads)
         out, lse = np.asarray(out), np.asarray(lse)
-    result = (out, lse, grads) if return_outputs else (grads,)
-    if delta_error is not None:
-        result += ({name: np.abs(moved) for name, moved in by_name(*raw_moved).items()},)
-    return result if len(result) > 1 else result[0]
+    result = (out, lse, grads) if return_outputs else grads
+    if delta_error is None:
+        return result
+    moved = {name: np.abs(m) for name, m in by_name(*raw_moved).items()}
+    return (*result, moved) if return_outputs else (grads, moved)

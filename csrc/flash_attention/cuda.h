@@ -36,7 +36,7 @@ struct CudaForwardArgs {
   Dims dims;
   const uint32_t* dropout_seed = nullptr;
   // ForwardHopperScratchBytes of device memory, or null: with segment ids, the Hopper kernels
-  // then skip the key tiles outside each query tile's segments.
+  // then skip the key tiles outside each query tile's segments (a C++ caller may pass null).
   void* scratch = nullptr;
 };
 
@@ -53,7 +53,7 @@ Status MmaSupports(const ForwardParams& p, const Dims& dims);
 Status ForwardMma(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 
 // Backward scratch: f32 dQ accumulator, per-row softmax statistics; sized from shapes only.
-size_t BackwardMmaScratchBytes(const Dims& dims, const BackwardParams& p);
+size_t BackwardMmaScratchBytes(const Dims& dims, bool deterministic);
 Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* scratch, cudaStream_t stream);
 
 // Hopper kernels (wgmma, TMA, warp specialisation), sm_90a only; a subset of the features.
@@ -61,12 +61,12 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
 Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major, int device_minor);
 Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream);
 // Scratch that lets ForwardHopper skip tiles (segment ids only; 0 otherwise); shapes only.
-size_t ForwardHopperScratchBytes(const ForwardParams& p, const Dims& dims);
+size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids);
 
 // Hopper backward (wgmma), sm_90a only; a subset of the features (HopperBackwardSupports
 // says which); the rest run on BackwardMma. Scratch sized from shapes only.
 Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int device_major, int device_minor);
-size_t BackwardHopperScratchBytes(const Dims& dims, const BackwardParams& p);
+size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids);
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream);
 
 }  // namespace ejk::flash_attention

@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <string>
+#include <utility>
 
 #include "flash_attention/cuda.h"
 #include "flash_attention/cuda_head_dims.h"
@@ -96,22 +96,36 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
   return static_cast<const uint32_t*>(seed.untyped_data());
 }
 
-// The forward's operands, results and attributes (EJK_FLASH_ATTENTION_FORWARD_BINDING).
-#define EJK_CUDA_FORWARD_PARAMETERS                                                              \
-  ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask, \
-      ffi::AnyBuffer softmax_aux, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,       \
-      ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seed,   \
-      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale,      \
-      bool causal, int64_t window_left, int64_t window_right, float logits_soft_cap,              \
-      float dropout_prob, int64_t operands, int64_t block_q, int64_t block_k, int64_t num_threads, \
-      int64_t num_warps, int64_t num_stages, bool deterministic
-#define EJK_CUDA_FORWARD_ARGUMENTS                                                              \
-  q, k, v, bias, mask, softmax_aux, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_segment_ids, \
-      dropout_seed, out, lse, softmax_scale, causal, window_left, window_right, logits_soft_cap, \
-      dropout_prob, operands, block_q, block_k, num_threads, num_warps, num_stages, deterministic
+// Device workspace of a call: the handler's last result, sized from shapes and flags alone
+// (the Python front end asks the registry entry's workspace_bytes), so that XLA owns it and
+// the launch can be captured into a command buffer. The backward takes the larger of its two
+// kernels' needs: which one runs is decided per device and call.
+size_t ForwardWorkspaceBytes(const Dims& dims, bool segment_ids) {
+  return ForwardHopperScratchBytes(dims, segment_ids);
+}
+size_t BackwardWorkspaceBytes(const Dims& dims, bool segment_ids, bool deterministic) {
+  return std::max(BackwardHopperScratchBytes(dims, segment_ids), BackwardMmaScratchBytes(dims, deterministic));
+}
 
-// scratch: null, or the allocator that lets the Hopper kernels skip tiles (segment ids).
-ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator* scratch, EJK_CUDA_FORWARD_PARAMETERS) {
+// The workspace result, or an error naming both sizes when it is smaller than the call needs.
+StatusOr<void*> WorkspaceOf(ffi::AnyBuffer& workspace, size_t needed, const char* pass) {
+  if (workspace.size_bytes() < needed) {
+    return Status::InvalidArgument(std::string("flash attention ") + pass + ": workspace has " +
+                                   std::to_string(workspace.size_bytes()) + " bytes, the call needs " +
+                                   std::to_string(needed) + " (size it with the registry's workspace_bytes)");
+  }
+  return needed > 0 ? workspace.untyped_data() : nullptr;
+}
+
+ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer softmax_aux,
+                       ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seed,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale, bool causal,
+                       int64_t window_left, int64_t window_right, float logits_soft_cap, float dropout_prob,
+                       int64_t operands, int64_t block_q, int64_t block_k, int64_t num_threads,
+                       int64_t num_warps, int64_t num_stages, bool deterministic) {
   CudaForwardArgs args;
   EJK_FFI_ASSIGN_OR_RETURN(args.p, BuildForwardParams(q, k, v, bias, mask, softmax_aux, cu_seqlens_q,
                                                       cu_seqlens_k, q_segment_ids, kv_segment_ids,
@@ -124,45 +138,25 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator* scratch, EJK_CUDA
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateForward(args.p));
   EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
   if (Status s = CheckSupported(args.p, args.dims); !s.ok()) return ToFfiError(s);
+  EJK_FFI_ASSIGN_OR_RETURN(
+      args.scratch,
+      WorkspaceOf(*workspace, ForwardWorkspaceBytes(args.dims, args.p.q_segment_ids.present()), "forward"));
   const CudaDeviceInfo& arch = CurrentCudaDevice();
-  if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) {
-    const size_t bytes = scratch != nullptr ? ForwardHopperScratchBytes(args.p, args.dims) : 0;
-    if (bytes > 0) {
-      std::optional<void*> allocated = scratch->Allocate(bytes);
-      if (!allocated.has_value()) {
-        return ToFfiError(Status::ResourceExhausted("flash attention forward: cannot allocate " +
-                                                    std::to_string(bytes) + " bytes of scratch"));
-      }
-      args.scratch = *allocated;
-    }
-    return ToFfiError(ForwardHopper(args, stream));
-  }
+  if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) return ToFfiError(ForwardHopper(args, stream));
   return ToFfiError(ForwardMma(args, cfg, stream));
 }
 
-ffi::Error ForwardImpl(cudaStream_t stream, EJK_CUDA_FORWARD_PARAMETERS) {
-  return Forward(stream, nullptr, EJK_CUDA_FORWARD_ARGUMENTS);
-}
-
-ffi::Error ForwardSegmentsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, EJK_CUDA_FORWARD_PARAMETERS) {
-  return Forward(stream, &scratch, EJK_CUDA_FORWARD_ARGUMENTS);
-}
-
-#undef EJK_CUDA_FORWARD_PARAMETERS
-#undef EJK_CUDA_FORWARD_ARGUMENTS
-
-ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
-                        ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::AnyBuffer bias,
-                        ffi::AnyBuffer mask, ffi::AnyBuffer softmax_aux, ffi::AnyBuffer cu_seqlens_q,
-                        ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer q_segment_ids,
+ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
+                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer softmax_aux,
+                        ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer q_segment_ids,
                         ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seed,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> dsoftmax_aux, float softmax_scale, bool causal,
-                        int64_t window_left, int64_t window_right, float logits_soft_cap,
-                        float dropout_prob, int64_t operands, int64_t block_q, int64_t block_k,
-                        int64_t num_threads, int64_t num_warps, int64_t num_stages,
+                        ffi::Result<ffi::AnyBuffer> dsoftmax_aux, ffi::Result<ffi::AnyBuffer> workspace,
+                        float softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                        float logits_soft_cap, float dropout_prob, int64_t operands, int64_t block_q,
+                        int64_t block_k, int64_t num_threads, int64_t num_warps, int64_t num_stages,
                         bool deterministic) {
   CudaBackwardArgs args;
   BackwardParams& p = args.p;
@@ -186,45 +180,62 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateBackward(p));
   EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
   if (Status s = CheckSupported(p.fwd, args.dims); !s.ok()) return ToFfiError(s);
+  EJK_FFI_ASSIGN_OR_RETURN(
+      void* scratch,
+      WorkspaceOf(*workspace, BackwardWorkspaceBytes(args.dims, p.fwd.q_segment_ids.present(), p.deterministic),
+                  "backward"));
   const CudaDeviceInfo& arch = CurrentCudaDevice();
-  const bool hopper = HopperBackwardSupports(p, args.dims, arch.major, arch.minor).ok();
-  const size_t bytes = hopper ? BackwardHopperScratchBytes(args.dims, p) : BackwardMmaScratchBytes(args.dims, p);
-  void* workspace = nullptr;
-  if (bytes > 0) {
-    std::optional<void*> allocated = scratch.Allocate(bytes);
-    if (!allocated.has_value()) {
-      return ToFfiError(Status::ResourceExhausted("flash attention backward: cannot allocate " +
-                                                  std::to_string(bytes) + " bytes of scratch"));
-    }
-    workspace = *allocated;
+  if (HopperBackwardSupports(p, args.dims, arch.major, arch.minor).ok()) {
+    return ToFfiError(BackwardHopper(args, scratch, stream));
   }
-  if (hopper) return ToFfiError(BackwardHopper(args, workspace, stream));
-  return ToFfiError(BackwardMma(args, cfg, workspace, stream));
+  return ToFfiError(BackwardMma(args, cfg, scratch, stream));
+}
+
+// A call's dims from its registry signature (the shapes of query and key).
+StatusOr<Dims> DimsOfSignature(const nlohmann::json& signature) {
+  Dims d{};
+  const std::pair<const char*, int64_t*> fields[] = {
+      {"batch", &d.batch},         {"seqlen_q", &d.seqlen_q},         {"seqlen_k", &d.seqlen_k},
+      {"num_q_heads", &d.num_q_heads}, {"num_kv_heads", &d.num_kv_heads}, {"head_dim", &d.head_dim}};
+  for (const auto& [name, value] : fields) {
+    const auto it = signature.find(name);
+    if (it == signature.end() || !it->is_number_integer() || it->get<int64_t>() < 0) {
+      return Status::InvalidArgument(std::string("flash attention workspace: signature needs a non-negative integer '") +
+                                     name + "', got " + signature.dump());
+    }
+    *value = it->get<int64_t>();
+  }
+  return d;
+}
+
+// Workspace bytes for pass "forward" or "backward" of a call with this signature (its
+// shapes, plus "segment_ids" and "deterministic").
+StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std::string& pass) {
+  EJK_ASSIGN_OR_RETURN(const Dims dims, DimsOfSignature(signature));
+  const bool segment_ids = signature.value("segment_ids", false);
+  if (pass == "forward") return static_cast<int64_t>(ForwardWorkspaceBytes(dims, segment_ids));
+  if (pass == "backward") {
+    return static_cast<int64_t>(BackwardWorkspaceBytes(dims, segment_ids, signature.value("deterministic", false)));
+  }
+  return Status::InvalidArgument("flash attention workspace: pass must be 'forward' or 'backward', got '" + pass + "'");
 }
 
 }  // namespace
 }  // namespace ejk::flash_attention
 
 EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionForwardCuda(XLA_FFI_CallFrame* call_frame);
-EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionForwardSegmentsCuda(XLA_FFI_CallFrame* call_frame);
 EJK_EXPORT XLA_FFI_Error* EjkFlashAttentionBackwardCuda(XLA_FFI_CallFrame* call_frame);
 
-// The forward's launches depend only on shapes and attributes: safe inside CUDA graphs.
+// Both launches depend only on shapes and attributes, and neither allocates (the workspace
+// is a result): safe inside CUDA graphs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     EjkFlashAttentionForwardCuda, ejk::flash_attention::ForwardImpl,
     EJK_FLASH_ATTENTION_FORWARD_BINDING(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
-// Calls with segment ids: the same, with scratch in which the Hopper kernels find the key
-// tiles that each query tile's segments reach (a captured graph could not own it).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    EjkFlashAttentionForwardSegmentsCuda, ejk::flash_attention::ForwardSegmentsImpl,
-    EJK_FLASH_ATTENTION_FORWARD_BINDING(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
-// The backward takes scratch memory per call, which a captured graph could not own.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     EjkFlashAttentionBackwardCuda, ejk::flash_attention::BackwardImpl,
-    EJK_FLASH_ATTENTION_BACKWARD_BINDING(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
+    EJK_FLASH_ATTENTION_BACKWARD_BINDING(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 namespace ejk::flash_attention {
 namespace {
@@ -263,10 +274,10 @@ KernelEntry CudaEntry() {
   e.op_version = kOpVersion;
   e.features = AllFeatures();
   e.ffi_targets = {{"ejkernel_flash_attention_fwd_cuda", "EjkFlashAttentionForwardCuda"},
-                   {"ejkernel_flash_attention_fwd_segments_cuda", "EjkFlashAttentionForwardSegmentsCuda"},
                    {"ejkernel_flash_attention_bwd_cuda", "EjkFlashAttentionBackwardCuda"}};
   e.heuristic = CudaHeuristic;
   e.candidates = CudaCandidates;
+  e.workspace_bytes = CudaWorkspaceBytes;
   e.unsupported = [](const nlohmann::json& signature) {
     return UnsupportedReason(signature.value("dtype", std::string()), signature.value("head_dim", 0));
   };

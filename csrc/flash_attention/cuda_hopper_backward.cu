@@ -294,9 +294,9 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int dev
   return Status::Ok();
 }
 
-size_t BackwardHopperScratchBytes(const Dims& dims, const BackwardParams& p) {
+size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids) {
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) return 0;
-  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p));
+  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, segment_ids);
   return 2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes;
 }
 

@@ -259,8 +259,8 @@ Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major
   return Status::Ok();
 }
 
-size_t ForwardHopperScratchBytes(const ForwardParams& p, const Dims& dims) {
-  return p.q_segment_ids.present() && hopper::HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
+size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids) {
+  return segment_ids && hopper::HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
 }
 
 Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream) {

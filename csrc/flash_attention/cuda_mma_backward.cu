@@ -169,10 +169,10 @@ Status LaunchMain(int64_t d, const KernelArgs& a, bool bf16, bool general, bool 
 }  // namespace
 }  // namespace mma_backward
 
-size_t BackwardMmaScratchBytes(const Dims& dims, const BackwardParams& p) {
+size_t BackwardMmaScratchBytes(const Dims& dims, bool deterministic) {
   const size_t rows = static_cast<size_t>(dims.batch * dims.num_q_heads * dims.seqlen_q);
   size_t bytes = 2 * AlignScratch(rows * sizeof(float));
-  if (!p.deterministic) bytes += AlignScratch(rows * static_cast<size_t>(dims.head_dim) * sizeof(float));
+  if (!deterministic) bytes += AlignScratch(rows * static_cast<size_t>(dims.head_dim) * sizeof(float));
   return bytes;
 }
 

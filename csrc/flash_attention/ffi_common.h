@@ -62,7 +62,10 @@ inline StatusOr<ForwardParams> BuildForwardParams(
 
 }  // namespace ejk::flash_attention
 
-// Operands and attributes, in order; the CPU and CUDA handlers bind the same layout.
+// Operands and attributes, in order; the CPU and CUDA handlers bind the same layout. The
+// last result of each is the call's device workspace, sized by the registry entry's
+// workspace_bytes (0 bytes on the CPU): XLA owns it, so a handler that allocates nothing can
+// be captured into a command buffer.
 #define EJK_FLASH_ATTENTION_OPTIONAL_OPERANDS(b)                                       \
   (b).Arg<xla::ffi::AnyBuffer>() /* bias */                                            \
       .Arg<xla::ffi::AnyBuffer>() /* attention_mask */                                 \
@@ -94,7 +97,8 @@ inline StatusOr<ForwardParams> BuildForwardParams(
                                                 .Arg<xla::ffi::AnyBuffer>() /* key */  \
                                                 .Arg<xla::ffi::AnyBuffer>() /* value */) \
           .Ret<xla::ffi::AnyBuffer>() /* out */                                        \
-          .Ret<xla::ffi::AnyBuffer>() /* lse */)
+          .Ret<xla::ffi::AnyBuffer>() /* lse */                                        \
+          .Ret<xla::ffi::AnyBuffer>() /* workspace */)
 
 #define EJK_FLASH_ATTENTION_BACKWARD_BINDING(b)                                        \
   EJK_FLASH_ATTENTION_ATTRIBUTES(                                                      \
@@ -109,4 +113,5 @@ inline StatusOr<ForwardParams> BuildForwardParams(
           .Ret<xla::ffi::AnyBuffer>() /* dk */                                         \
           .Ret<xla::ffi::AnyBuffer>() /* dv */                                         \
           .Ret<xla::ffi::AnyBuffer>() /* dbias */                                      \
-          .Ret<xla::ffi::AnyBuffer>() /* dsoftmax_aux */)
+          .Ret<xla::ffi::AnyBuffer>() /* dsoftmax_aux */                               \
+          .Ret<xla::ffi::AnyBuffer>() /* workspace */)

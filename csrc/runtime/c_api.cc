@@ -2,6 +2,7 @@
 // freed with ejk_free. On failure a function returns NULL (or nonzero) and sets a
 // thread-local message read by ejk_last_error(); every call clears it first. No exception
 // crosses this boundary.
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -239,6 +240,26 @@ EJK_EXPORT char* ejk_op_config_candidates(const char* op, const char* platform,
     nlohmann::json list = nlohmann::json::array();
     for (ejk::Config& config : entry->candidates(*signature)) list.push_back(std::move(config));
     return ejk::ReturnJson(list);
+  });
+}
+
+// Workspace bytes of the best implementation of (op, platform) for a call with this signature
+// in `pass`; 0 when it takes none; -1 on failure.
+EJK_EXPORT int64_t ejk_op_workspace_bytes(const char* op, const char* platform, const char* pass,
+                                          const char* signature_json) {
+  return Guarded<int64_t>(-1, [&]() -> int64_t {
+    auto fail = [](const ejk::Status& status) {
+      ejk::SetError(status.ToString());
+      return int64_t{-1};
+    };
+    ejk::StatusOr<nlohmann::json> signature = ejk::ParseSignature(signature_json);
+    if (!signature.ok()) return fail(signature.status());
+    if (pass == nullptr) return fail(ejk::Status::InvalidArgument("pass is required"));
+    auto entry = ejk::BestEntryWith(op, platform, [](const ejk::KernelEntry&) { return true; }, "an entry");
+    if (!entry.ok()) return fail(entry.status());
+    if (!entry->workspace_bytes) return 0;
+    ejk::StatusOr<int64_t> bytes = entry->workspace_bytes(*signature, pass);
+    return bytes.ok() ? *bytes : fail(bytes.status());
   });
 }
 

@@ -3,6 +3,7 @@
 // through the C API to find FFI targets, heuristics and autotuning candidates.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -43,6 +44,9 @@ struct KernelEntry {
   // Why this implementation cannot serve a call with this signature (dtype, head_dim, ...),
   // or "" when it can; callers fall back to another platform and log the reason. May be empty.
   std::function<std::string(const nlohmann::json& signature)> unsupported;
+  // Bytes of device workspace that a call with this signature needs in `pass` ("forward",
+  // "backward"); its handler takes them as its last result. Empty: the handlers take none.
+  std::function<StatusOr<int64_t>(const nlohmann::json& signature, const std::string& pass)> workspace_bytes;
 };
 
 // Thread-safe.

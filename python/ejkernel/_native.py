@@ -59,6 +59,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ejk_op_heuristic_config.argtypes = [ctypes.c_char_p] * 3
     lib.ejk_op_config_candidates.argtypes = [ctypes.c_char_p] * 3
     lib.ejk_op_unsupported_reason.argtypes = [ctypes.c_char_p] * 3
+    lib.ejk_op_workspace_bytes.argtypes = [ctypes.c_char_p] * 4
+    lib.ejk_op_workspace_bytes.restype = ctypes.c_int64
     return lib, str(path)
 
 
@@ -214,6 +216,22 @@ def unsupported_reason(op: str, platform: str, signature: dict[str, Any]) -> str
     if text is None:
         return _error()
     return text or None
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_bytes(op: str, platform: str, pass_: str, signature_json: str) -> int:
+    lib = _require()
+    nbytes = lib.ejk_op_workspace_bytes(op.encode(), platform.encode(), pass_.encode(), signature_json.encode())
+    if nbytes < 0:
+        raise RuntimeError(f"ejkernel: workspace size of {op} on {platform} ({pass_}): {_error()}")
+    return int(nbytes)
+
+
+def workspace_bytes(op: str, platform: str, pass_: str, signature: dict[str, Any]) -> int:
+    """Bytes of workspace the native `op` on `platform` takes as its last result in `pass_`
+    ("forward" or "backward") for a call with this signature; the rule is the C++ registry
+    entry's."""
+    return _workspace_bytes(op, platform, pass_, json.dumps(signature, sort_keys=True))
 
 
 _registered: set[tuple[str, str]] = set()

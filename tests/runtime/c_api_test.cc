@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -31,6 +32,7 @@ int ejk_cache_store(const char* cache_dir, const char* key_json, const char* con
 char* ejk_op_heuristic_config(const char* op, const char* platform, const char* signature_json);
 char* ejk_op_config_candidates(const char* op, const char* platform, const char* signature_json);
 char* ejk_op_unsupported_reason(const char* op, const char* platform, const char* signature_json);
+int64_t ejk_op_workspace_bytes(const char* op, const char* platform, const char* pass, const char* signature_json);
 const char* ejk_last_error(void);
 void ejk_free(char*);
 }
@@ -89,6 +91,10 @@ void RegisterTestEntries() {
     gpu.heuristic = [](const nlohmann::json&) { return Config{{"block", "gpu"}}; };
     gpu.unsupported = [](const nlohmann::json& sig) {
       return sig.value("head_dim", 0) > 256 ? std::string("head_dim above 256") : std::string();
+    };
+    gpu.workspace_bytes = [](const nlohmann::json& sig, const std::string& pass) -> StatusOr<int64_t> {
+      if (pass != "backward") return Status::InvalidArgument("pass '" + pass + "' unknown");
+      return sig.value("rows", int64_t{0}) * 4;
     };
     return Registry::Global().Register(bare).ok() && Registry::Global().Register(tuned).ok() &&
            Registry::Global().Register(gpu).ok();
@@ -163,6 +169,22 @@ TEST(CApiTest, UnsupportedReason) {
   EXPECT_EQ(Take(ejk_op_unsupported_reason(kOp, "cuda", R"({"head_dim": 128})")), "");
   EXPECT_EQ(Take(ejk_op_unsupported_reason(kOp, "cuda", R"({"head_dim": 512})")), "head_dim above 256");
   EXPECT_EQ(ejk_op_unsupported_reason("no_such_op", "cuda", "{}"), nullptr);
+  EXPECT_NE(LastError().find("no_such_op"), std::string::npos) << LastError();
+}
+
+TEST(CApiTest, WorkspaceBytes) {
+  RegisterTestEntries();
+  // The best entry decides; one without a workspace rule takes none.
+  EXPECT_EQ(ejk_op_workspace_bytes(kOp, "cuda", "backward", R"({"rows": 1000})"), 4000);
+  EXPECT_EQ(ejk_op_workspace_bytes(kOp, "cpu", "backward", R"({"rows": 1000})"), 0);
+  EXPECT_EQ(LastError(), "");
+  EXPECT_EQ(ejk_op_workspace_bytes(kOp, "cuda", "sideways", "{}"), -1);
+  EXPECT_NE(LastError().find("sideways"), std::string::npos) << LastError();
+  EXPECT_EQ(ejk_op_workspace_bytes(kOp, "cuda", nullptr, "{}"), -1);
+  EXPECT_NE(LastError().find("pass"), std::string::npos) << LastError();
+  EXPECT_EQ(ejk_op_workspace_bytes(kOp, "cuda", "backward", "{not json"), -1);
+  EXPECT_NE(LastError().find("JSON"), std::string::npos) << LastError();
+  EXPECT_EQ(ejk_op_workspace_bytes("no_such_op", "cuda", "backward", "{}"), -1);
   EXPECT_NE(LastError().find("no_such_op"), std::string::npos) << LastError();
 }
 

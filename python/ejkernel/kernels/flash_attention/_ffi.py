@@ -2,7 +2,9 @@
 
 The forward returns (out, lse); the backward takes both cotangents, so gradients through
 the log-sum-exp are exact too. Absent optional operands travel as zero-element
-placeholders and the `operands` bit mask tells the handler which are real.
+placeholders and the `operands` bit mask tells the handler which are real. Each call's last
+result is its workspace (uint8, sized by the C++ registry entry, 0 bytes on the CPU), so XLA
+owns every byte a kernel touches and the CUDA calls can live in command buffers.
 """
 
 from __future__ import annotations
@@ -102,24 +104,39 @@ def _cotangent_like(ct: Any, primal: Any, *inputs: Any) -> Any:
     return _vary_like(ct, primal)
 
 
+def _workspace(static: _Static, pass_: str, q: Any, k: Any) -> jax.ShapeDtypeStruct:
+    b, sq, hq, d = q.shape
+    signature = {
+        "batch": b,
+        "seqlen_q": sq,
+        "seqlen_k": k.shape[1],
+        "num_q_heads": hq,
+        "num_kv_heads": k.shape[2],
+        "head_dim": d,
+        "segment_ids": bool(static.operands & _HAS_SEGMENT_IDS),
+        "deterministic": static.deterministic,
+    }
+    return jax.ShapeDtypeStruct((_native.workspace_bytes(OP, static.platform, pass_, signature),), jnp.uint8)
+
+
 @functools.cache
 def _attention_fn(static: _Static):
     fwd_target = f"ejkernel_flash_attention_fwd_{static.platform}"
-    if static.platform == "cuda" and static.operands & _HAS_SEGMENT_IDS:
-        # With scratch, in which the Hopper kernels find the key tiles each query tile's
-        # segments reach.
-        fwd_target = "ejkernel_flash_attention_fwd_segments_cuda"
     bwd_target = f"ejkernel_flash_attention_bwd_{static.platform}"
 
     def forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
         b, sq, hq, _ = q.shape
         call = jax.ffi.ffi_call(
             fwd_target,
-            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+                _workspace(static, "forward", q, k),
+            ),
             vmap_method="sequential",
         )
         optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
-        out, lse = call(q, k, v, *optional, **static.attributes(static.operands))
+        out, lse, _ = call(q, k, v, *optional, **static.attributes(static.operands))
         inputs = (q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
         return _vary_like(out, *inputs), _vary_like(lse, *inputs)
 
@@ -145,10 +162,11 @@ def _attention_fn(static: _Static):
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(bias.shape if bias is not None else (0,), jnp.float32),
             jax.ShapeDtypeStruct(aux.shape if aux is not None else (0,), jnp.float32),
+            _workspace(static, "backward", q, k),
         ]
         call = jax.ffi.ffi_call(bwd_target, results, vmap_method="sequential")
         optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
-        dq, dk, dv, dbias, daux = call(
+        dq, dk, dv, dbias, daux, _ = call(
             q,
             k,
             v,

@@ -9,7 +9,6 @@
 #include <array>
 #include <cstdint>
 #include <string>
-#include <utility>
 
 #include "flash_attention/cuda.h"
 #include "flash_attention/cuda_head_dims.h"
@@ -191,27 +190,17 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(BackwardMma(args, cfg, scratch, stream));
 }
 
-// A call's dims from its registry signature (the shapes of query and key).
-StatusOr<Dims> DimsOfSignature(const nlohmann::json& signature) {
-  Dims d{};
-  const std::pair<const char*, int64_t*> fields[] = {
-      {"batch", &d.batch},         {"seqlen_q", &d.seqlen_q},         {"seqlen_k", &d.seqlen_k},
-      {"num_q_heads", &d.num_q_heads}, {"num_kv_heads", &d.num_kv_heads}, {"head_dim", &d.head_dim}};
-  for (const auto& [name, value] : fields) {
-    const auto it = signature.find(name);
-    if (it == signature.end() || !it->is_number_integer() || it->get<int64_t>() < 0) {
-      return Status::InvalidArgument(std::string("flash attention workspace: signature needs a non-negative integer '") +
-                                     name + "', got " + signature.dump());
-    }
-    *value = it->get<int64_t>();
-  }
-  return d;
-}
-
-// Workspace bytes for pass "forward" or "backward" of a call with this signature (its
-// shapes, plus "segment_ids" and "deterministic").
+// Workspace bytes for pass "forward" or "backward" of a call with this signature (the
+// shapes of query and key, plus "segment_ids" and "deterministic").
 StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std::string& pass) {
-  EJK_ASSIGN_OR_RETURN(const Dims dims, DimsOfSignature(signature));
+  Dims dims{};
+  EJK_RETURN_IF_ERROR(ReadSignatureCounts(signature, "flash attention workspace",
+                                          {{"batch", &dims.batch},
+                                           {"seqlen_q", &dims.seqlen_q},
+                                           {"seqlen_k", &dims.seqlen_k},
+                                           {"num_q_heads", &dims.num_q_heads},
+                                           {"num_kv_heads", &dims.num_kv_heads},
+                                           {"head_dim", &dims.head_dim}}));
   const bool segment_ids = signature.value("segment_ids", false);
   if (pass == "forward") return static_cast<int64_t>(ForwardWorkspaceBytes(dims, segment_ids));
   if (pass == "backward") {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -50,11 +51,10 @@ ffi::Error AttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   }
   const int splits = ResolvedSplits(dims, cfg);
   const size_t bytes = CudaAttentionScratchBytes(dims, splits);
-  if (split_workspace->element_type() != ffi::DataType::F32 || split_workspace->size_bytes() != bytes) {
+  if (split_workspace->size_bytes() != bytes) {
     return ToFfiError(Status::InvalidArgument(
-        "split_workspace: expected " + std::to_string(bytes / sizeof(float)) + " float32 elements for " +
-        std::to_string(splits) + " splits (T * Hq * (num_splits * (D + 2) + 2)), got " +
-        std::to_string(split_workspace->element_count())));
+        "split_workspace: expected " + std::to_string(bytes) + " bytes for " + std::to_string(splits) +
+        " splits (the registry's workspace_bytes), got " + std::to_string(split_workspace->size_bytes())));
   }
   return ToFfiError(CudaAttention(p, dims, splits, bytes > 0 ? split_workspace->untyped_data() : nullptr, stream));
 }
@@ -127,6 +127,23 @@ namespace {
   return MakeConfig(CudaNumSplits(dims, Config{}, CurrentCudaDevice().sm_count));
 }
 
+// The split workspace of a call with this signature (num_tokens, num_q_heads, head_dim and
+// the resolved num_splits), in bytes.
+StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std::string& pass) {
+  if (pass != "forward") return Status::InvalidArgument("paged attention has no '" + pass + "' pass");
+  Dims dims{};
+  EJK_RETURN_IF_ERROR(ReadSignatureCounts(
+      signature, "paged attention workspace",
+      {{"num_tokens", &dims.num_tokens}, {"num_q_heads", &dims.num_q_heads}, {"head_dim", &dims.head_dim}}));
+  // The handler checks the count itself (at most kMaxCudaSplits); this only sizes for it.
+  const int64_t splits = signature.value("num_splits", int64_t{0});
+  if (splits < 1 || splits > std::numeric_limits<int>::max()) {
+    return Status::InvalidArgument("paged attention workspace: num_splits must be resolved (>= 1), got " +
+                                   std::to_string(splits));
+  }
+  return static_cast<int64_t>(CudaAttentionScratchBytes(dims, static_cast<int>(splits)));
+}
+
 std::vector<::ejk::Config> CudaCandidates(const nlohmann::json&) {
   std::vector<::ejk::Config> configs;
   for (int splits : {1, 2, 4, 8, 16, 32, 64}) configs.push_back(MakeConfig(splits));
@@ -146,6 +163,7 @@ KernelEntry CudaEntry() {
                    {"ejkernel_paged_kv_cache_update_cuda", "EjkPagedKvCacheUpdateCuda"}};
   e.heuristic = CudaHeuristic;
   e.candidates = CudaCandidates;
+  e.workspace_bytes = CudaWorkspaceBytes;
   e.unsupported = [](const nlohmann::json& signature) -> std::string {
     const int64_t head_dim = signature.value("head_dim", 0);
     if (head_dim > 256) return "the CUDA kernels support head_dim <= 256, got " + std::to_string(head_dim);

@@ -138,11 +138,13 @@ Status CacheUpdateCpu(const CacheUpdateParams& p);
 //   attrs:    softmax_scale f32, logits_soft_cap f32, window_left i64, causal bool,
 //             kv_layout i64, k_scale f32, v_scale f32, operands i64 (bit 1: kv_starts,
 //             bit 2: sinks), num_splits i64, block_kv i64, num_threads i64
-//   split_workspace: f32 [T * Hq * (num_splits * (D + 2) + 2)] when num_splits > 1, else
-//             f32 [0]: the split-KV partial results (outputs, softmax statistics) and two
-//             32-bit counters per (token, q head), a result so that no call allocates (the
-//             handler stays valid inside CUDA graphs). num_splits is the resolved count (>= 1; the
-//             registry heuristic resolves 0); backends that do not split take [0].
+//   split_workspace: uint8, as many bytes as the registry entry's workspace_bytes says for
+//             (num_tokens, num_q_heads, head_dim, num_splits) (CUDA: 4 * T * Hq * (num_splits *
+//             (D + 2) + 2) when num_splits > 1, else 0): the split-KV partial results (outputs,
+//             softmax statistics) and two 32-bit counters per (token, q head), a result so that
+//             no call allocates (the handler stays valid inside CUDA graphs). num_splits is the
+//             resolved count (>= 1; the registry heuristic resolves 0); backends that do not
+//             split take 0 bytes.
 //
 // Target "ejkernel_paged_kv_cache_update_{cpu,cuda}":
 //   operands: new_keys, new_values, key_cache, value_cache, kv_lens, block_tables,

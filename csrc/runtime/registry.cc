@@ -29,6 +29,19 @@ StatusOr<Platform> ParsePlatform(const std::string& name) {
   return Status::InvalidArgument("unknown platform '" + name + "' (expected cpu or cuda)");
 }
 
+Status ReadSignatureCounts(const nlohmann::json& signature, const char* what,
+                          std::initializer_list<std::pair<const char*, int64_t*>> fields) {
+  for (const auto& [name, value] : fields) {
+    const auto it = signature.find(name);
+    if (it == signature.end() || !it->is_number_integer() || it->get<int64_t>() < 0) {
+      return Status::InvalidArgument(std::string(what) + ": signature needs a non-negative integer '" + name +
+                                     "', got " + signature.dump());
+    }
+    *value = it->get<int64_t>();
+  }
+  return Status::Ok();
+}
+
 Registry& Registry::Global() {
   // Never destroyed: registrations and lookups may happen during static init and teardown.
   static Registry* const registry = new Registry();

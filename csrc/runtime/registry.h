@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -23,6 +25,11 @@ enum class Backend { kCpu, kGpu };
 const char* PlatformName(Platform platform);  // "cpu", "cuda"
 const char* BackendName(Backend backend);     // "cpu", "gpu"
 StatusOr<Platform> ParsePlatform(const std::string& name);
+
+// Reads the named non-negative integers of a signature (for a workspace_bytes rule, say);
+// the error names `what`, the first missing or bad field and the signature.
+Status ReadSignatureCounts(const nlohmann::json& signature, const char* what,
+                          std::initializer_list<std::pair<const char*, int64_t*>> fields);
 
 // An XLA custom-call target name and the exported C symbol of its handler.
 struct FfiTarget {

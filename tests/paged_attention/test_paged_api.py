@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ejkernel
-from ejkernel import Platform, kernel_registry
+from ejkernel import Platform, _native, kernel_registry
 from ejkernel.kernels.paged_attention import (
     OPERATIONS,
     PagedAttentionConfig,
@@ -365,6 +365,25 @@ def test_cuda_rejects_more_splits_than_it_combines(base):
     with pytest.raises(Exception, match="num_splits must be at most 128"):
         jax.block_until_ready(ragged_page_attention(*(base[n] for n in RAGGED), platform="cuda",
                                                     cfg=PagedAttentionConfig(num_splits=129)))
+
+
+def test_cuda_split_workspace_size():
+    if native_unavailable("cuda", "gpu") is not None:
+        pytest.skip("no native CUDA paged attention here")
+    sig = {"num_tokens": 37, "num_q_heads": 8, "head_dim": 128}
+    op = "paged_attention"
+    # Partials (D floats), two softmax statistics per split and two counters per (token, head).
+    assert _native.workspace_bytes(op, "cuda", "forward", {**sig, "num_splits": 5}) == 4 * 37 * 8 * (5 * 130 + 2)
+    assert _native.workspace_bytes(op, "cuda", "forward", {**sig, "num_splits": 1}) == 0
+    with pytest.raises(RuntimeError, match="num_splits"):
+        _native.workspace_bytes(op, "cuda", "forward", {**sig, "num_splits": 0})
+
+
+def test_cpu_takes_no_split_workspace():
+    if not _native.available():
+        pytest.skip("libejkernel not loaded")
+    sig = {"num_tokens": 37, "num_q_heads": 8, "head_dim": 128, "num_splits": 5}
+    assert _native.workspace_bytes("paged_attention", "cpu", "forward", sig) == 0
 
 
 def test_default_platform_and_config(base):

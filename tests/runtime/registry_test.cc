@@ -1,5 +1,6 @@
 #include "runtime/registry.h"
 
+#include <cstdint>
 #include <string>
 #include <thread>
 #include <vector>
@@ -100,6 +101,23 @@ TEST(RegistryTest, Names) {
   EXPECT_STREQ(BackendName(Backend::kGpu), "gpu");
   EXPECT_EQ(*ParsePlatform("cuda"), Platform::kCuda);
   EXPECT_FALSE(ParsePlatform("tpu").ok());
+}
+
+TEST(RegistryTest, ReadSignatureCounts) {
+  int64_t tokens = -1, heads = -1;
+  const nlohmann::json good = {{"num_tokens", 37}, {"num_heads", 0}, {"dtype", "bfloat16"}};
+  ASSERT_TRUE(ReadSignatureCounts(good, "op", {{"num_tokens", &tokens}, {"num_heads", &heads}}).ok());
+  EXPECT_EQ(tokens, 37);
+  EXPECT_EQ(heads, 0);
+  for (const nlohmann::json& bad : {nlohmann::json{{"num_tokens", 3}},                       // missing
+                                    nlohmann::json{{"num_tokens", 3}, {"num_heads", -2}},    // negative
+                                    nlohmann::json{{"num_tokens", 3}, {"num_heads", 2.5}},   // not an integer
+                                    nlohmann::json{{"num_tokens", 3}, {"num_heads", "8"}}}) {
+    const Status s = ReadSignatureCounts(bad, "op workspace", {{"num_tokens", &tokens}, {"num_heads", &heads}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad.dump();
+    EXPECT_NE(s.message().find("op workspace: signature needs a non-negative integer 'num_heads'"), std::string::npos)
+        << s.message();
+  }
 }
 
 KernelEntry StaticEntry() {

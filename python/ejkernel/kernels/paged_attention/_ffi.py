@@ -35,16 +35,18 @@ def paged_attention_native(
 ) -> jax.Array:
     """Runs target ejkernel_paged_attention_<platform> ("cpu" or "cuda"); returns out [T, Hq, D].
 
-    num_splits must be resolved (>= 1): the split workspace (params.h) is sized from it."""
+    num_splits must be resolved (>= 1): the split workspace (params.h) is sized from it, by
+    the C++ registry entry."""
     _native.ensure_ffi_targets(OP, platform)
     q = args.query
     operands = (_HAS_KV_STARTS if args.kv_starts is not None else 0) | (_HAS_SINKS if args.sinks is not None else 0)
     t, hq, d = q.shape
     # Partials, softmax statistics and two counters per (token, q head) (params.h).
-    workspace = t * hq * (num_splits * (d + 2) + 2) if num_splits > 1 else 0
+    signature = {"num_tokens": t, "num_q_heads": hq, "head_dim": d, "num_splits": num_splits}
+    workspace = _native.workspace_bytes(OP, platform, "forward", signature)
     call = jax.ffi.ffi_call(
         f"ejkernel_paged_attention_{platform}",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.float32)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8)),
         vmap_method="sequential",
     )
     inputs = (

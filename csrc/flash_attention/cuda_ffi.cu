@@ -98,10 +98,8 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
 // Device workspace of a call: the handler's last result, sized from shapes and flags alone
 // (the Python front end asks the registry entry's workspace_bytes), so that XLA owns it and
 // the launch can be captured into a command buffer. The backward takes the larger of its two
-// kernels' needs: which one runs is decided per device and call.
-size_t ForwardWorkspaceBytes(const Dims& dims, bool segment_ids) {
-  return ForwardHopperScratchBytes(dims, segment_ids);
-}
+// kernels' needs: which one runs is decided per device and call. The forward's is the Hopper
+// kernel's segment scratch (ForwardHopperScratchBytes).
 size_t BackwardWorkspaceBytes(const Dims& dims, bool segment_ids, bool deterministic) {
   return std::max(BackwardHopperScratchBytes(dims, segment_ids), BackwardMmaScratchBytes(dims, deterministic));
 }
@@ -139,7 +137,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (Status s = CheckSupported(args.p, args.dims); !s.ok()) return ToFfiError(s);
   EJK_FFI_ASSIGN_OR_RETURN(
       args.scratch,
-      WorkspaceOf(*workspace, ForwardWorkspaceBytes(args.dims, args.p.q_segment_ids.present()), "forward"));
+      WorkspaceOf(*workspace, ForwardHopperScratchBytes(args.dims, args.p.q_segment_ids.present()), "forward"));
   const CudaDeviceInfo& arch = CurrentCudaDevice();
   if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) return ToFfiError(ForwardHopper(args, stream));
   return ToFfiError(ForwardMma(args, cfg, stream));
@@ -202,7 +200,7 @@ StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std:
                                            {"num_kv_heads", &dims.num_kv_heads},
                                            {"head_dim", &dims.head_dim}}));
   const bool segment_ids = signature.value("segment_ids", false);
-  if (pass == "forward") return static_cast<int64_t>(ForwardWorkspaceBytes(dims, segment_ids));
+  if (pass == "forward") return static_cast<int64_t>(ForwardHopperScratchBytes(dims, segment_ids));
   if (pass == "backward") {
     return static_cast<int64_t>(BackwardWorkspaceBytes(dims, segment_ids, signature.value("deterministic", false)));
   }

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import _native
-from ._validate import AttentionArgs
+from ._validate import AttentionArgs, signature_of
 
 OP = "flash_attention"
 
@@ -105,14 +105,8 @@ def _cotangent_like(ct: Any, primal: Any, *inputs: Any) -> Any:
 
 
 def _workspace(static: _Static, pass_: str, q: Any, k: Any) -> jax.ShapeDtypeStruct:
-    b, sq, hq, d = q.shape
     signature = {
-        "batch": b,
-        "seqlen_q": sq,
-        "seqlen_k": k.shape[1],
-        "num_q_heads": hq,
-        "num_kv_heads": k.shape[2],
-        "head_dim": d,
+        **signature_of(q, k),
         "segment_ids": bool(static.operands & _HAS_SEGMENT_IDS),
         "deterministic": static.deterministic,
     }

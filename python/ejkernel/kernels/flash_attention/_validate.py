@@ -64,16 +64,21 @@ class AttentionArgs:
 
     def signature(self) -> dict[str, Any]:
         """Shapes and dtypes that configs depend on (the persistent cache key's signature)."""
-        b, sq, hq, d = self.query.shape
-        return {
-            "batch": b,
-            "seqlen_q": sq,
-            "seqlen_k": self.key.shape[1],
-            "num_q_heads": hq,
-            "num_kv_heads": self.key.shape[2],
-            "head_dim": d,
-            "dtype": jnp.dtype(self.query.dtype).name,
-        }
+        return signature_of(self.query, self.key)
+
+
+def signature_of(query: Any, key: Any) -> dict[str, Any]:
+    """The registry signature of a call with these query and key arrays (or avals)."""
+    b, sq, hq, d = query.shape
+    return {
+        "batch": b,
+        "seqlen_q": sq,
+        "seqlen_k": key.shape[1],
+        "num_q_heads": hq,
+        "num_kv_heads": key.shape[2],
+        "head_dim": d,
+        "dtype": jnp.dtype(query.dtype).name,
+    }
 
 
 def _check_broadcast(x: Any, name: str, b: int, hq: int, sq: int, sk: int) -> None:

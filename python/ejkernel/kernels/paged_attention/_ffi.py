@@ -40,10 +40,8 @@ def paged_attention_native(
     _native.ensure_ffi_targets(OP, platform)
     q = args.query
     operands = (_HAS_KV_STARTS if args.kv_starts is not None else 0) | (_HAS_SINKS if args.sinks is not None else 0)
-    t, hq, d = q.shape
     # Partials, softmax statistics and two counters per (token, q head) (params.h).
-    signature = {"num_tokens": t, "num_q_heads": hq, "head_dim": d, "num_splits": num_splits}
-    workspace = _native.workspace_bytes(OP, platform, "forward", signature)
+    workspace = _native.workspace_bytes(OP, platform, "forward", {**args.signature(), "num_splits": num_splits})
     call = jax.ffi.ffi_call(
         f"ejkernel_paged_attention_{platform}",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8)),

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "flash_attention/params.h"
+#include "runtime/cuda_device.h"
 #include "runtime/status.h"
 
 namespace ejk::flash_attention {
@@ -54,18 +55,22 @@ Status ForwardMma(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream
 
 // Backward scratch: f32 dQ accumulator, per-row softmax statistics; sized from shapes only.
 size_t BackwardMmaScratchBytes(const Dims& dims, bool deterministic);
+// Shared memory per block of the backward's kernels at this head dim (0 for one it lacks).
+// The forward has a tile config that fits every sm_80+ GPU (99 KB); the backward needs more
+// from head dim 128 up.
+int BackwardMmaSharedBytes(int64_t head_dim);
 Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* scratch, cudaStream_t stream);
 
 // Hopper kernels (wgmma, TMA, warp specialisation), sm_90a only; a subset of the features.
-// HopperSupports says which calls they take; the rest run on the mma.sync kernels.
-Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major, int device_minor);
+// HopperSupports says which calls they take on `device`; the rest run on the mma.sync kernels.
+Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
 Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream);
 // Scratch that lets ForwardHopper skip tiles (segment ids only; 0 otherwise); shapes only.
 size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids);
 
 // Hopper backward (wgmma), sm_90a only; a subset of the features (HopperBackwardSupports
 // says which); the rest run on BackwardMma. Scratch sized from shapes only.
-Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int device_major, int device_minor);
+Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
 size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids);
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream);
 

@@ -138,8 +138,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   EJK_FFI_ASSIGN_OR_RETURN(
       args.scratch,
       WorkspaceOf(*workspace, ForwardHopperScratchBytes(args.dims, args.p.q_segment_ids.present()), "forward"));
-  const CudaDeviceInfo& arch = CurrentCudaDevice();
-  if (HopperSupports(args.p, args.dims, arch.major, arch.minor).ok()) return ToFfiError(ForwardHopper(args, stream));
+  if (HopperSupports(args.p, args.dims, CurrentCudaDevice()).ok()) return ToFfiError(ForwardHopper(args, stream));
   return ToFfiError(ForwardMma(args, cfg, stream));
 }
 
@@ -181,8 +180,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       void* scratch,
       WorkspaceOf(*workspace, BackwardWorkspaceBytes(args.dims, p.fwd.q_segment_ids.present(), p.deterministic),
                   "backward"));
-  const CudaDeviceInfo& arch = CurrentCudaDevice();
-  if (HopperBackwardSupports(p, args.dims, arch.major, arch.minor).ok()) {
+  if (HopperBackwardSupports(p, args.dims, CurrentCudaDevice()).ok()) {
     return ToFfiError(BackwardHopper(args, scratch, stream));
   }
   return ToFfiError(BackwardMma(args, cfg, scratch, stream));
@@ -227,6 +225,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 namespace ejk::flash_attention {
 namespace {
 
+// Why the CUDA kernels cannot serve a call with this signature on the current device ("" when
+// they can): its dtype or head dim; a GPU this build has no code for; or, on GPUs with less
+// shared memory per block than the A100 and H100 (sm_86/89: 99 KB), a head dim whose
+// backward does not fit. Those calls take XLA instead of failing at the launch.
+std::string CudaUnsupportedReason(const nlohmann::json& signature) {
+  const int64_t head_dim = signature.value("head_dim", 0);
+  std::string reason = UnsupportedReason(signature.value("dtype", std::string()), head_dim);
+  if (!reason.empty()) return reason;
+  const CudaDeviceInfo& device = CurrentCudaDevice();
+  reason = CudaDeviceUnsupportedReason(device, EJK_CUDA_ARCHS);
+  if (!reason.empty()) return reason;
+  return SharedMemoryUnsupportedReason(device, BackwardMmaSharedBytes(head_dim),
+                                       "the flash attention backward at head_dim " + std::to_string(head_dim));
+}
+
 Config MakeConfig(int block_q, int block_k, int num_warps, int num_stages) {
   return Config{{"block_q", block_q}, {"block_k", block_k}, {"num_threads", 0},
                 {"num_warps", num_warps}, {"num_stages", num_stages}};
@@ -265,9 +278,7 @@ KernelEntry CudaEntry() {
   e.heuristic = CudaHeuristic;
   e.candidates = CudaCandidates;
   e.workspace_bytes = CudaWorkspaceBytes;
-  e.unsupported = [](const nlohmann::json& signature) {
-    return UnsupportedReason(signature.value("dtype", std::string()), signature.value("head_dim", 0));
-  };
+  e.unsupported = CudaUnsupportedReason;
   return e;
 }
 

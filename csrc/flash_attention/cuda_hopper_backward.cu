@@ -54,18 +54,6 @@ bool HeadDimBuilt(int64_t d) {
   }
 }
 
-__global__ void ArchProbeKernel() {}
-
-// Whether this build holds sm_90a machine code for the current (compute capability 9.0)
-// device; without it the main kernel is an sm_80 stub that traps.
-bool BuiltForSm90() {
-  static const bool built = [] {
-    cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, ArchProbeKernel) == cudaSuccess && attr.binaryVersion == 90;
-  }();
-  return built;
-}
-
 // Query rows per tile and keys per block (cuda_hopper_backward.cuh), for a built head dim.
 int BlockMFor(int64_t head_dim) {
   return head_dim == 64 ? Layout<64>::kBlockM : head_dim == 128 ? Layout<128>::kBlockM : Layout<256>::kBlockM;
@@ -264,15 +252,12 @@ Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softc
 }  // namespace
 }  // namespace hopper_backward
 
-Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, int device_major, int device_minor) {
+Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
   const auto no = [](const std::string& why) {
     return Status::Unimplemented("hopper flash attention backward: " + why);
   };
   const ForwardParams& f = p.fwd;
-  if (device_major != 9 || device_minor != 0) {
-    return no("needs compute capability 9.0, got " + std::to_string(device_major) + "." + std::to_string(device_minor));
-  }
-  if (!hopper_backward::BuiltForSm90()) return no("the library holds no sm_90a code");
+  if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (f.q.dtype != DType::kBF16 && f.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + f.q.ToString());
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) {
     return no("head_dim must be 64, 128 or 256 (as built), got " + std::to_string(dims.head_dim));
@@ -305,7 +290,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
-  EJK_RETURN_IF_ERROR(HopperBackwardSupports(p, d, 9, 0));
+  EJK_RETURN_IF_ERROR(HopperBackwardSupports(p, d, CurrentCudaDevice()));
   const ScratchLayout sl = ScratchFor(d, HasSegments(p));
   const int block_m = BlockMFor(d.head_dim);
   const bool f16 = f.q.dtype == DType::kF16;

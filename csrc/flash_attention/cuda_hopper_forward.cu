@@ -235,11 +235,9 @@ StatusOr<int> CurrentDeviceSms() {
 
 }  // namespace hopper
 
-Status HopperSupports(const ForwardParams& p, const Dims& dims, int device_major, int device_minor) {
+Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
   const auto no = [](const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); };
-  if (device_major != 9 || device_minor != 0) {
-    return no("needs compute capability 9.0, got " + std::to_string(device_major) + "." + std::to_string(device_minor));
-  }
+  if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + p.q.ToString());
   if (!hopper::HeadDimBuilt(dims.head_dim)) {
     return no("head_dim must be 64, 128 or 256 (as built), got " + std::to_string(dims.head_dim));
@@ -264,6 +262,7 @@ size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids) {
 }
 
 Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream) {
+  EJK_RETURN_IF_ERROR(HopperSupports(args.p, args.dims, CurrentCudaDevice()));
   if (args.dims.batch == 0 || args.dims.seqlen_q == 0 || args.dims.num_q_heads == 0) return Status::Ok();
   switch (args.dims.head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)

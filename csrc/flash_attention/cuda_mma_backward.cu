@@ -166,8 +166,25 @@ Status LaunchMain(int64_t d, const KernelArgs& a, bool bf16, bool general, bool 
   }
 }
 
+template <int kD>
+constexpr int SharedBytes() {
+  return std::max(KvTile<kD>::kSmemBytes, DqTile<kD>::kSmemBytes);
+}
+
 }  // namespace
 }  // namespace mma_backward
+
+int BackwardMmaSharedBytes(int64_t head_dim) {
+  using mma_backward::SharedBytes;
+  switch (head_dim) {
+    case 64: return SharedBytes<64>();
+    case 96: return SharedBytes<96>();
+    case 128: return SharedBytes<128>();
+    case 192: return SharedBytes<192>();
+    case 256: return SharedBytes<256>();
+    default: return 0;
+  }
+}
 
 size_t BackwardMmaScratchBytes(const Dims& dims, bool deterministic) {
   const size_t rows = static_cast<size_t>(dims.batch * dims.num_q_heads * dims.seqlen_q);

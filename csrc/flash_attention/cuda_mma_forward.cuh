@@ -447,21 +447,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
   }
 }
 
-// The device's opt-in shared memory per block, cached per device.
-inline int MaxSharedMemoryPerBlock() {
-  static std::atomic<int> cache[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 48 * 1024;
-  int bytes = cache[device].load(std::memory_order_relaxed);
-  if (bytes == 0) {
-    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-      return 48 * 1024;
-    }
-    cache[device].store(bytes, std::memory_order_relaxed);
-  }
-  return bytes;
-}
-
 template <typename Element, typename Cfg, bool kMasked, bool kGeneral>
 Status LaunchVariant(const ForwardKernelArgs& ka, unsigned grid, cudaStream_t stream) {
   const auto kernel = ForwardKernel<Element, Cfg, kMasked, kGeneral>;
@@ -534,7 +519,9 @@ Status TryLaunch(bool wanted, int smem_limit, const CudaForwardArgs& args, cudaS
 // first that fits, in list order (the first is the default).
 template <typename Element, typename... Cfgs>
 Status DispatchConfigs(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  const int smem_limit = MaxSharedMemoryPerBlock();
+  // sm_86/87/89/120 give a block 99 KB, the least of any sm_80+ GPU: some config must fit it.
+  static_assert(((Cfgs::kSmemBytes <= 99 * 1024) || ...), "no tile config fits 99 KB of shared memory");
+  const int smem_limit = CurrentCudaDevice().shared_memory_per_block;
   bool launched = false;
   // Braced initialisers run in order: the requested config first, then the fallbacks.
   const Status results[] = {TryLaunch<Element, Cfgs>(Matches<Cfgs>(cfg), smem_limit, args, stream, &launched)...,

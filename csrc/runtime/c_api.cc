@@ -129,6 +129,7 @@ EJK_EXPORT char* ejk_build_info_json(void) {
         {"version", EJK_VERSION},
         {"has_cuda", static_cast<bool>(EJK_HAS_CUDA)},
         {"cuda_archs", ejk::SplitCommaList(EJK_CUDA_ARCHS)},
+        {"hopper_kernels", static_cast<bool>(EJK_CUDA_SM90A)},
         {"compiler", ejk::CompilerDescription()},
         {"cpu_isa", ejk::CompiledCpuIsa()},
     });

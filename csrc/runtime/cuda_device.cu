@@ -6,6 +6,13 @@
 #include <mutex>
 
 namespace ejk {
+namespace {
+
+// Compiled for every architecture of the build like every kernel: its attributes can be
+// read exactly when the library holds code (machine code or PTX) the device can run.
+__global__ void CodeProbeKernel() {}
+
+}  // namespace
 
 const CudaDeviceInfo& CurrentCudaDevice() {
   constexpr int kMaxDevices = 64;
@@ -21,6 +28,16 @@ const CudaDeviceInfo& CurrentCudaDevice() {
     if (cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess) info.minor = value;
     if (cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && value > 0) {
       info.sm_count = value;
+    }
+    if (cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess && value > 0) {
+      info.shared_memory_per_block = value;
+    }
+    cudaFuncAttributes attributes;
+    info.has_code = cudaFuncGetAttributes(&attributes, CodeProbeKernel) == cudaSuccess;
+    if (info.has_code) {
+      info.code_arch = attributes.ptxVersion;
+    } else {
+      cudaGetLastError();  // clear the failed query, or the next launch's check would report it
     }
   });
   return infos[device];

@@ -140,8 +140,9 @@ __device__ __forceinline__ void AllowDependentLaunch() {
 #endif
 }
 
-// Launches `kernel` with programmatic stream serialisation where the device supports it
-// (compute capability 9.0+, `programmatic`), else as an ordinary launch.
+// Launches `kernel` with programmatic stream serialisation when `programmatic` (the caller
+// checks ProgrammaticLaunchRuns: the code the device runs must hold the waits), else as an
+// ordinary launch.
 template <typename... Params, typename... Args>
 cudaError_t LaunchAfterPrevious(bool programmatic, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                 cudaStream_t stream, Args&&... args) {

@@ -27,6 +27,7 @@ def build_info() -> dict[str, Any]:
         "library_error": _native.load_error(),
         "has_cuda": lib.get("has_cuda", False),
         "cuda_archs": lib.get("cuda_archs", []),
+        "hopper_kernels": lib.get("hopper_kernels", False),
         "compiler": lib.get("compiler"),
         "cpu_isa": lib.get("cpu_isa", []),
         "jax": jax.__version__,
@@ -41,7 +42,11 @@ def print_build_info() -> None:
     info = build_info()
     print(f"ejkernel {info['version'] or '(no native library)'}")
     print(f"  library        {info['library'] or 'missing: ' + str(info['library_error'])}")
-    print(f"  CUDA kernels   {'sm ' + ', '.join(info['cuda_archs']) if info['has_cuda'] else 'not built'}")
+    if info["has_cuda"]:
+        hopper = "Hopper kernels built" if info["hopper_kernels"] else "no Hopper kernels: sm_90a not built"
+        print(f"  CUDA kernels   sm {', '.join(info['cuda_archs'])} ({hopper})")
+    else:
+        print("  CUDA kernels   not built")
     print(f"  compiler       {info['compiler']}")
     print(f"  CPU ISA        {', '.join(info['cpu_isa'])}")
     print(f"  jax            {info['jax']} (devices: {', '.join(info['jax_backends'])})")

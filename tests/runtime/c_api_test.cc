@@ -120,6 +120,7 @@ TEST(CApiTest, VersionAndBuildInfo) {
   if (std::string(EJK_CUDA_ARCHS).empty()) {
     EXPECT_TRUE(info["cuda_archs"].empty());
   }
+  EXPECT_EQ(info["hopper_kernels"], static_cast<bool>(EJK_CUDA_SM90A));
   EXPECT_FALSE(info["compiler"].get<std::string>().empty());
   EXPECT_EQ(info["cpu_isa"].get<std::vector<std::string>>(), CompiledCpuIsa());
   EXPECT_EQ(LastError(), "");

@@ -1234,8 +1234,8 @@ void SetLargeTiles(const Dims& d, Args* a) {
   a->large_tiles = std::min(by_seq, by_rows);
 }
 
-// Programmatic dependent launch needs compute capability 9.0.
-bool ProgrammaticLaunchSupported() { return CurrentCudaDevice().major >= 9; }
+// Programmatic dependent launch needs an sm_90+ GPU running code that holds the waits.
+bool ProgrammaticLaunchSupported() { return ProgrammaticLaunchRuns(CurrentCudaDevice()); }
 
 // Zeroes the dynamic splits' claim counters and lets the attention kernel launch at once:
 // its blocks load Q and their first key blocks while this runs, and wait for it only before
@@ -1323,6 +1323,15 @@ size_t CudaAttentionScratchBytes(const Dims& dims, int num_splits) {
   if (num_splits <= 1) return 0;
   const size_t rows = static_cast<size_t>(dims.num_tokens) * dims.num_q_heads;
   return rows * (num_splits * (dims.head_dim + 2) + 2) * sizeof(float);
+}
+
+int CudaAttentionSharedBytes(int64_t head_dim, bool fp8_cache) {
+  switch (head_dim) {
+    case 64: return fp8_cache ? SmemLayout<__half, uint8_t, 64>::kBytes : SmemLayout<__half, __half, 64>::kBytes;
+    case 128: return fp8_cache ? SmemLayout<__half, uint8_t, 128>::kBytes : SmemLayout<__half, __half, 128>::kBytes;
+    case 256: return fp8_cache ? SmemLayout<__half, uint8_t, 256>::kBytes : SmemLayout<__half, __half, 256>::kBytes;
+    default: return 0;
+  }
 }
 
 const char* CudaAttentionUnsupported(const Dims& dims) {

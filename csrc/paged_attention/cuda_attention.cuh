@@ -30,6 +30,10 @@ size_t CudaAttentionScratchBytes(const Dims& dims, int num_splits);
 // Why the CUDA kernels cannot serve these params ("" when they can): head_dim above 256.
 const char* CudaAttentionUnsupported(const Dims& dims);
 
+// Shared memory per block of the tensor-core kernel (16-bit queries, a cache of their dtype
+// or fp8) at this head dim; 0 where the SIMT kernel, which takes none, serves the call.
+int CudaAttentionSharedBytes(int64_t head_dim, bool fp8_cache);
+
 // Attention over the paged cache. `scratch` holds CudaAttentionScratchBytes(dims, num_splits)
 // bytes (may be null when that is 0).
 Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* scratch, cudaStream_t stream);

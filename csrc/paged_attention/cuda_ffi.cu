@@ -150,6 +150,24 @@ std::vector<::ejk::Config> CudaCandidates(const nlohmann::json&) {
   return configs;
 }
 
+// Why the CUDA kernels cannot serve a call with this signature on the current device ("" when
+// they can): its head dim, a GPU this build has no code for, or (GPUs giving a block less
+// shared memory than the A100 and H100, e.g. 99 KB on sm_86/89) a tensor-core tile that does
+// not fit. Those calls take XLA instead of failing at the launch.
+std::string CudaUnsupportedReason(const nlohmann::json& signature) {
+  const int64_t head_dim = signature.value("head_dim", 0);
+  if (head_dim > 256) return "the CUDA kernels support head_dim <= 256, got " + std::to_string(head_dim);
+  const CudaDeviceInfo& device = CurrentCudaDevice();
+  if (std::string reason = CudaDeviceUnsupportedReason(device, EJK_CUDA_ARCHS); !reason.empty()) return reason;
+  const std::string dtype = signature.value("dtype", std::string());
+  const std::string cache_dtype = signature.value("cache_dtype", std::string());
+  const bool fp8_cache = cache_dtype == "float8_e4m3fn";
+  const bool tensor_cores = (dtype == "bfloat16" || dtype == "float16") && (cache_dtype == dtype || fp8_cache);
+  if (!tensor_cores) return "";
+  return SharedMemoryUnsupportedReason(device, CudaAttentionSharedBytes(head_dim, fp8_cache),
+                                       "paged attention at head_dim " + std::to_string(head_dim));
+}
+
 KernelEntry CudaEntry() {
   KernelEntry e;
   e.op = "paged_attention";
@@ -164,11 +182,7 @@ KernelEntry CudaEntry() {
   e.heuristic = CudaHeuristic;
   e.candidates = CudaCandidates;
   e.workspace_bytes = CudaWorkspaceBytes;
-  e.unsupported = [](const nlohmann::json& signature) -> std::string {
-    const int64_t head_dim = signature.value("head_dim", 0);
-    if (head_dim > 256) return "the CUDA kernels support head_dim <= 256, got " + std::to_string(head_dim);
-    return "";
-  };
+  e.unsupported = CudaUnsupportedReason;
   return e;
 }
 

@@ -1219,9 +1219,9 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Arg
 
 bool MmaHeadDim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-bool UsesMma(const Dims& dims, DType q_dtype, DType cache_dtype) {
+bool UsesMma(int64_t head_dim, DType q_dtype, DType cache_dtype) {
   const bool q_16bit = q_dtype == DType::kBF16 || q_dtype == DType::kF16;
-  return MmaHeadDim(dims.head_dim) && q_16bit && (cache_dtype == q_dtype || cache_dtype == DType::kF8E4M3);
+  return MmaHeadDim(head_dim) && q_16bit && (cache_dtype == q_dtype || cache_dtype == DType::kF8E4M3);
 }
 
 // Large tiles per kv head and split (LargeTileStart's numbering), and which numbering.
@@ -1325,7 +1325,9 @@ size_t CudaAttentionScratchBytes(const Dims& dims, int num_splits) {
   return rows * (num_splits * (dims.head_dim + 2) + 2) * sizeof(float);
 }
 
-int CudaAttentionSharedBytes(int64_t head_dim, bool fp8_cache) {
+int CudaAttentionSharedBytes(int64_t head_dim, DType q_dtype, DType cache_dtype) {
+  if (!UsesMma(head_dim, q_dtype, cache_dtype)) return 0;
+  const bool fp8_cache = cache_dtype == DType::kF8E4M3;
   switch (head_dim) {
     case 64: return fp8_cache ? SmemLayout<__half, uint8_t, 64>::kBytes : SmemLayout<__half, __half, 64>::kBytes;
     case 128: return fp8_cache ? SmemLayout<__half, uint8_t, 128>::kBytes : SmemLayout<__half, __half, 128>::kBytes;
@@ -1334,8 +1336,8 @@ int CudaAttentionSharedBytes(int64_t head_dim, bool fp8_cache) {
   }
 }
 
-const char* CudaAttentionUnsupported(const Dims& dims) {
-  return dims.head_dim > kMaxHeadDim ? "the CUDA kernels support head_dim <= 256" : "";
+const char* CudaAttentionUnsupported(int64_t head_dim) {
+  return head_dim > kMaxHeadDim ? "the CUDA kernels support head_dim <= 256" : "";
 }
 
 Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* scratch, cudaStream_t stream) {
@@ -1396,7 +1398,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
     const size_t rows = static_cast<size_t>(dims.num_tokens) * dims.num_q_heads;
     a.partial_ml = a.partial_o + a.num_splits * rows * D;
     a.split_counters = reinterpret_cast<unsigned int*>(a.partial_ml + a.num_splits * rows * 2);
-    a.dynamic_splits = UsesMma(dims, a.q_dtype, a.cache_dtype) && D <= kMaxFusedHeadDim;
+    a.dynamic_splits = UsesMma(dims.head_dim, a.q_dtype, a.cache_dtype) && D <= kMaxFusedHeadDim;
     if (a.dynamic_splits) {
       const int64_t counters = static_cast<int64_t>(rows) * 2;
       ZeroCountersKernel<<<static_cast<unsigned>(std::min<int64_t>(1024, (counters + 255) / 256)), 256, 0, stream>>>(
@@ -1404,7 +1406,7 @@ Status CudaAttention(const Params& p, const Dims& dims, int num_splits, void* sc
       EJK_RETURN_IF_ERROR(LastLaunchError("split counter reset"));
     }
   }
-  if (UsesMma(dims, a.q_dtype, a.cache_dtype)) {
+  if (UsesMma(dims.head_dim, a.q_dtype, a.cache_dtype)) {
     SetLargeTiles(dims, &a);
     if (a.cache_dtype == DType::kF8E4M3) {
       a.logit_scale *= kFp8HalfScale;

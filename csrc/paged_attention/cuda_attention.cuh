@@ -27,12 +27,12 @@ int CudaNumSplits(const Dims& dims, const Config& cfg, int sm_count);
 // counters (two 32-bit words per (token, q head)); 0 when num_splits is 1.
 size_t CudaAttentionScratchBytes(const Dims& dims, int num_splits);
 
-// Why the CUDA kernels cannot serve these params ("" when they can): head_dim above 256.
-const char* CudaAttentionUnsupported(const Dims& dims);
+// Why the CUDA kernels cannot serve this head dim ("" when they can): above 256.
+const char* CudaAttentionUnsupported(int64_t head_dim);
 
-// Shared memory per block of the tensor-core kernel (16-bit queries, a cache of their dtype
-// or fp8) at this head dim; 0 where the SIMT kernel, which takes none, serves the call.
-int CudaAttentionSharedBytes(int64_t head_dim, bool fp8_cache);
+// Shared memory per block of the kernel serving these dtypes and head dim: the tensor-core
+// kernel's (16-bit queries, a cache of their dtype or fp8), or 0 for the SIMT kernel.
+int CudaAttentionSharedBytes(int64_t head_dim, DType q_dtype, DType cache_dtype);
 
 // Attention over the paged cache. `scratch` holds CudaAttentionScratchBytes(dims, num_splits)
 // bytes (may be null when that is 0).

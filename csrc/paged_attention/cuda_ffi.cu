@@ -42,7 +42,7 @@ ffi::Error AttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   EJK_FFI_ASSIGN_OR_RETURN(cfg, ConfigFromAttrs(num_splits, block_kv, num_threads));
   Dims dims;
   EJK_FFI_ASSIGN_OR_RETURN(dims, Validate(p));
-  if (const std::string reason = CudaAttentionUnsupported(dims); !reason.empty()) {
+  if (const std::string reason = CudaAttentionUnsupported(dims.head_dim); !reason.empty()) {
     return ToFfiError(Status::Unimplemented("paged attention CUDA: " + reason + ", got q " + p.q.ToString()));
   }
   if (cfg.num_splits > kMaxCudaSplits) {
@@ -156,15 +156,17 @@ std::vector<::ejk::Config> CudaCandidates(const nlohmann::json&) {
 // not fit. Those calls take XLA instead of failing at the launch.
 std::string CudaUnsupportedReason(const nlohmann::json& signature) {
   const int64_t head_dim = signature.value("head_dim", 0);
-  if (head_dim > 256) return "the CUDA kernels support head_dim <= 256, got " + std::to_string(head_dim);
+  if (const std::string reason = CudaAttentionUnsupported(head_dim); !reason.empty()) {
+    return reason + ", got " + std::to_string(head_dim);
+  }
   const CudaDeviceInfo& device = CurrentCudaDevice();
   if (std::string reason = CudaDeviceUnsupportedReason(device, EJK_CUDA_ARCHS); !reason.empty()) return reason;
-  const std::string dtype = signature.value("dtype", std::string());
-  const std::string cache_dtype = signature.value("cache_dtype", std::string());
-  const bool fp8_cache = cache_dtype == "float8_e4m3fn";
-  const bool tensor_cores = (dtype == "bfloat16" || dtype == "float16") && (cache_dtype == dtype || fp8_cache);
-  if (!tensor_cores) return "";
-  return SharedMemoryUnsupportedReason(device, CudaAttentionSharedBytes(head_dim, fp8_cache),
+  DType dtype, cache_dtype;
+  if (!DTypeFromName(signature.value("dtype", std::string()), &dtype) ||
+      !DTypeFromName(signature.value("cache_dtype", std::string()), &cache_dtype)) {
+    return "";  // the call's own validation names bad dtypes
+  }
+  return SharedMemoryUnsupportedReason(device, CudaAttentionSharedBytes(head_dim, dtype, cache_dtype),
                                        "paged attention at head_dim " + std::to_string(head_dim));
 }
 

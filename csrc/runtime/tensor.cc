@@ -20,6 +20,16 @@ const char* DTypeName(DType dtype) {
   return "unknown";
 }
 
+bool DTypeFromName(const std::string& name, DType* out) {
+  for (int32_t i = 0; i <= static_cast<int32_t>(DType::kF8E4M3); ++i) {
+    if (name == DTypeName(static_cast<DType>(i))) {
+      *out = static_cast<DType>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t DTypeSize(DType dtype) {
   switch (dtype) {
     case DType::kF64:

@@ -21,6 +21,8 @@ namespace ejk {
 enum class DType : int32_t { kF32 = 0, kF16, kBF16, kF64, kI32, kI64, kU32, kU8, kBool, kF8E4M3 };
 
 const char* DTypeName(DType dtype);
+// The dtype DTypeName calls `name`; false (out untouched) for any other name.
+bool DTypeFromName(const std::string& name, DType* out);
 int64_t DTypeSize(DType dtype);
 inline bool IsFloating(DType d) {
   return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 || d == DType::kF64;

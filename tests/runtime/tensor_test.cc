@@ -62,6 +62,18 @@ TEST(TensorViewTest, DTypeNamesAndSizes) {
   EXPECT_FALSE(IsFloating(DType::kI32));
 }
 
+TEST(TensorViewTest, DTypeFromNameInvertsDTypeName) {
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16, DType::kF64, DType::kI32, DType::kI64, DType::kU32,
+                  DType::kU8, DType::kBool, DType::kF8E4M3}) {
+    DType parsed = DType::kBool;
+    ASSERT_TRUE(DTypeFromName(DTypeName(d), &parsed)) << DTypeName(d);
+    EXPECT_EQ(parsed, d);
+  }
+  DType untouched = DType::kI32;
+  EXPECT_FALSE(DTypeFromName("float8_e5m2", &untouched));
+  EXPECT_EQ(untouched, DType::kI32);
+}
+
 TEST(TensorViewTest, CheckTensorMessagesNameTheArgument) {
   uint16_t data[6];
   TensorView t = TensorView::Contiguous(data, DType::kBF16, {2, 3});

@@ -1143,9 +1143,11 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
               Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         }
       }
+      // The hardware log2 (absolute error 2^-22 near 1, 2 ulp elsewhere) instead of log2f's
+      // ~20-instruction polynomial: short calls 1-3% faster on H100.
       if (row < tl.q_len && t4 == 0 && p.lse != nullptr) {
         p.lse[(static_cast<int64_t>(batch) * p.num_q_heads + head) * p.seqlen_q + tl.q_begin + row] =
-            sum > 0.0f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
+            sum > 0.0f ? (row_max[r] + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
     if constexpr (L::kWarpStaging) {  // one Q slot: nothing was staged

@@ -98,6 +98,12 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->num_sequences = static_cast<int>(d.num_sequences);
     kp->num_m_blocks += kp->num_sequences + 1;  // each sequence (and the padding) may end in a partial block
   }
+  kp->div_m_blocks = FastDivisor(kp->num_m_blocks);
+  kp->div_q_heads = FastDivisor(kp->num_q_heads);
+  kp->div_head_ratio = FastDivisor(kp->head_ratio);
+  kp->div_m_block_pairs = FastDivisor((kp->num_m_blocks + 1) / 2);
+  kp->div_section = FastDivisor(1);
+  kp->div_section_tiles = FastDivisor(kp->num_m_blocks);
   kp->out_row_stride = d.num_q_heads * d.head_dim;
   kp->out_batch_stride = d.seqlen_q * d.num_q_heads * d.head_dim;
   constexpr float kLog2e = 1.4426950408889634f;

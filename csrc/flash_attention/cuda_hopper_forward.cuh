@@ -44,6 +44,7 @@
 #include "flash_attention/cuda.h"
 #include "flash_attention/cuda_head_dims.h"
 #include "flash_attention/params.h"
+#include "runtime/fast_divisor.h"
 #include "runtime/status.h"
 #include "runtime/tensor.h"
 
@@ -171,6 +172,10 @@ struct KernelParams {
   // Persistent causal grid: each block takes pairs of m blocks of equal total length
   // (ScheduledTile); needs section 1.
   int paired;
+  // The tile decode's divisors: num_m_blocks, num_q_heads, head_ratio, the pairs of m blocks
+  // per head, section and section * num_m_blocks. A runtime division took ~200 cycles per tile
+  // and thread on H100, on the path from one tile's last product to the next one's first.
+  FastDivisor div_m_blocks, div_q_heads, div_head_ratio, div_m_block_pairs, div_section, div_section_tiles;
   const int* cu_seqlens_q;  // packed sequences (device memory), or null
   const int* cu_seqlens_k;
   int num_sequences;
@@ -498,17 +503,19 @@ __device__ __forceinline__ int Clamp(int x, int lo, int hi) { return x < lo ? lo
 // shortest tiles of the last section (a causal grid finishes evenly), while concurrent blocks
 // read the K and V of a few heads only, which stay in L2.
 __device__ __forceinline__ void DenseTile(const KernelParams& p, int tile, int* bh, int* m_block) {
-  if (p.section == 1) {  // every persistent grid: one division instead of three
-    *bh = tile / p.num_m_blocks;
+  if (p.section == 1) {  // every persistent grid
+    *bh = p.div_m_blocks.Div(tile);
     *m_block = p.num_m_blocks - 1 - (tile - *bh * p.num_m_blocks);
     return;
   }
-  const int per_section = p.section * p.num_m_blocks;
-  const int first = tile / per_section * p.section;
+  const int section_index = p.div_section_tiles.Div(tile);
+  const int first = section_index * p.section;
   const int pairs = min(p.section, p.num_q_heads * p.batch - first);
-  const int within = tile % per_section;
-  *bh = first + within % pairs;
-  *m_block = p.num_m_blocks - 1 - within / pairs;
+  const int within = tile - section_index * p.div_section_tiles.divisor;
+  // Only the last section may hold fewer pairs.
+  const int row = pairs == p.section ? p.div_section.Div(within) : within / pairs;
+  *bh = first + within - row * pairs;
+  *m_block = p.num_m_blocks - 1 - row;
 }
 
 // Dense tiles: DenseTile's order. Packed sequences: the whole warp scans cu_seqlens (clamped) for the sequence holding block g of the packed order;
@@ -527,7 +534,7 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
     t.k_len = p.seqlen_k;
   } else {
     t.q_begin = t.q_len = t.k_begin = t.k_len = 0;
-    const int g = tile % p.num_m_blocks;
+    const int g = p.div_m_blocks.Mod(tile);
     int before = 0;  // blocks of the sequences already scanned
     for (int base = 0; base <= p.num_sequences; base += 32) {
       const int i = base + lane;
@@ -590,10 +597,10 @@ constexpr int kSkipRound = -2;
 template <bool kPairs>
 __device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, int num_tiles) {
   if (kPairs && p.paired) {
-    const int m = p.num_m_blocks, half = (m + 1) / 2;
+    const int m = p.num_m_blocks;
     const int pair = blockIdx.x + (round >> 1) * gridDim.x;
-    if (pair >= half * p.num_q_heads * p.batch) return -1;
-    const int bh = pair / half, j = pair % half;
+    const int bh = p.div_m_block_pairs.Div(pair), j = pair - bh * p.div_m_block_pairs.divisor;
+    if (bh >= p.num_q_heads * p.batch) return -1;
     // Head-major DenseTile order: tile bh * m + x is m block m - 1 - x.
     if ((round & 1) == 0) return bh * m + j;
     return j == m - 1 - j ? kSkipRound : bh * m + m - 1 - j;
@@ -620,10 +627,10 @@ __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* h
   if (p.cu_seqlens_q == nullptr) {
     int bh, m_block;
     DenseTile(p, tile, &bh, &m_block);
-    *batch = bh / p.num_q_heads;
+    *batch = p.div_q_heads.Div(bh);
     *head = bh - *batch * p.num_q_heads;
   } else {
-    *head = tile / p.num_m_blocks;
+    *head = p.div_m_blocks.Div(tile);
     *batch = 0;
   }
 }
@@ -731,7 +738,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           }
         }
         ++q_iter;
-        const int kv_head = head / p.head_ratio;
+        const int kv_head = p.div_head_ratio.Div(head);
         for (int it = 0; it < t.n_count; ++it, ++kv_iter) {
           const int n = t.n_end - 1 - it;
           const int s = kv_iter % kStages;
@@ -1264,6 +1271,8 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   // 4 x 4096 at d128: 486 -> 546 TFLOP/s on H100; sections of 4 heads: slower at d128,
   // faster at d256).
   kp.section = persistent ? 1 : std::max(1, 1024 / kHeadDim);
+  kp.div_section = FastDivisor(kp.section);
+  kp.div_section_tiles = FastDivisor(kp.section * kp.num_m_blocks);
   kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: launch failed: ") + cudaGetErrorString(err));

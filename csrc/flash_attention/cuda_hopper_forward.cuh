@@ -330,6 +330,14 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
+// 1 / x within 1 ulp (MUFU.RCP alone, no Newton step and slow path): normalising O, whose
+// result is rounded to bf16/f16.
+__device__ __forceinline__ float FastReciprocal(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float Tanh(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -1120,12 +1128,15 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     int head, batch;
     TileHead(p, tile, &head, &batch);
     const bool staged = stage_out && q_slot >= 0;
+    // The two rows' sums across their quads, as two interleaved chains.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float sum = row_sum[r];
+      const float inv = sum > 0.0f ? FastReciprocal(sum) : 0.0f;
       const int row = row0 + 8 * r;
       if (staged) {
         // The Q slot's layout (64-column blocks of 128-byte rows, 128-byte swizzle), as the

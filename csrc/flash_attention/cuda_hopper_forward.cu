@@ -67,6 +67,12 @@ Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtens
   return Status::Ok();
 }
 
+void SetSection(int section, KernelParams* kp) {
+  kp->section = section;
+  kp->div_section = FastDivisor(section);
+  kp->div_section_tiles = FastDivisor(section * kp->num_m_blocks);
+}
+
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp) {
   const ForwardParams& p = args.p;
   const Dims& d = args.dims;
@@ -84,7 +90,6 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   kp->num_q_heads = static_cast<int>(d.num_q_heads);
   kp->head_ratio = static_cast<int>(d.num_q_heads / d.num_kv_heads);
   kp->num_m_blocks = static_cast<int>((d.seqlen_q + block_m - 1) / block_m);
-  kp->section = 1;
   kp->paired = 0;
   kp->cu_seqlens_q = nullptr;
   kp->cu_seqlens_k = nullptr;
@@ -102,8 +107,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   kp->div_q_heads = FastDivisor(kp->num_q_heads);
   kp->div_head_ratio = FastDivisor(kp->head_ratio);
   kp->div_m_block_pairs = FastDivisor((kp->num_m_blocks + 1) / 2);
-  kp->div_section = FastDivisor(1);
-  kp->div_section_tiles = FastDivisor(kp->num_m_blocks);
+  SetSection(1, kp);
   kp->out_row_stride = d.num_q_heads * d.head_dim;
   kp->out_batch_stride = d.seqlen_q * d.num_q_heads * d.head_dim;
   constexpr float kLog2e = 1.4426950408889634f;

@@ -1231,6 +1231,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
+// Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of
+// their decode; PrepareKernelParams sets plain head-major order (1).
+void SetSection(int section, KernelParams* kp);
 // Segment ids with scratch (args.scratch): computes kp->key_tile_bounds for tiles of block_m
 // queries and block_n keys on the stream; otherwise leaves it null (no tile is skipped).
 Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp,
@@ -1281,9 +1284,7 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   // last tiles dispatched include whole-row ones that run long after the rest (causal
   // 4 x 4096 at d128: 486 -> 546 TFLOP/s on H100; sections of 4 heads: slower at d128,
   // faster at d256).
-  kp.section = persistent ? 1 : std::max(1, 1024 / kHeadDim);
-  kp.div_section = FastDivisor(kp.section);
-  kp.div_section_tiles = FastDivisor(kp.section * kp.num_m_blocks);
+  SetSection(persistent ? 1 : std::max(1, 1024 / kHeadDim), &kp);
   kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: launch failed: ") + cudaGetErrorString(err));

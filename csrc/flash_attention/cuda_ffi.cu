@@ -11,7 +11,7 @@
 #include <string>
 
 #include "flash_attention/cuda.h"
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/ffi_common.h"
 #include "flash_attention/params.h"
 #include "runtime/cuda_device.h"
@@ -53,6 +53,7 @@ std::string UnsupportedReason(const std::string& dtype, int64_t head_dim) {
   if (dtype != "bfloat16" && dtype != "float16") {
     return "the CUDA kernels take bfloat16 or float16 inputs, got " + dtype;
   }
+  if (dtype == "float16" && !kFloat16Built) return "float16 is not built (EJKERNEL_CUDA_FEATURES)";
   if (!HeadDimBuilt(head_dim)) {
     std::string built;
     for (int d : kHeadDims) {
@@ -272,7 +273,11 @@ KernelEntry CudaEntry() {
   e.priority = 100;
   e.name = "flash_attention_cuda";
   e.op_version = kOpVersion;
-  e.features = AllFeatures();
+  // Features a development build left out (EJKERNEL_CUDA_FEATURES) fall back to XLA.
+  const std::vector<std::string> not_built = FeaturesNotBuilt();
+  for (const std::string& feature : AllFeatures()) {
+    if (std::find(not_built.begin(), not_built.end(), feature) == not_built.end()) e.features.push_back(feature);
+  }
   e.ffi_targets = {{"ejkernel_flash_attention_fwd_cuda", "EjkFlashAttentionForwardCuda"},
                    {"ejkernel_flash_attention_bwd_cuda", "EjkFlashAttentionBackwardCuda"}};
   e.heuristic = CudaHeuristic;

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/cuda_hopper_backward.cuh"
 #include "runtime/cuda_mma.h"
 
@@ -228,22 +228,27 @@ Status LastLaunch(const char* what) {
                           cudaGetErrorString(err));
 }
 
+// Segment ids take their own kernels (compiled in cuda_hopper_backward_segments_hdim*.cu).
+template <int kHeadDim>
+Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+  if (kp.q_segment_ids == nullptr) return Launch<kHeadDim>(kp, f16, softcap, batch, stream);
+  if constexpr (kSegmentIdsBuilt) {
+    return LaunchSegments<kHeadDim>(kp, f16, softcap, batch, stream);
+  } else {
+    return FeatureNotBuilt("segment_ids");
+  }
+}
+
 Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  const bool segments = kp.q_segment_ids != nullptr;
   switch (head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64:
-      return segments ? LaunchSegments<64>(kp, f16, softcap, batch, stream) : Launch<64>(kp, f16, softcap, batch, stream);
+    case 64: return LaunchHeadDim<64>(kp, f16, softcap, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128:
-      return segments ? LaunchSegments<128>(kp, f16, softcap, batch, stream)
-                      : Launch<128>(kp, f16, softcap, batch, stream);
+    case 128: return LaunchHeadDim<128>(kp, f16, softcap, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256:
-      return segments ? LaunchSegments<256>(kp, f16, softcap, batch, stream)
-                      : Launch<256>(kp, f16, softcap, batch, stream);
+    case 256: return LaunchHeadDim<256>(kp, f16, softcap, batch, stream);
 #endif
     default: return Status::Unimplemented("hopper flash attention backward: head_dim " + std::to_string(head_dim));
   }
@@ -253,6 +258,7 @@ Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softc
 }  // namespace hopper_backward
 
 Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
+  EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(p.fwd));
   const auto no = [](const std::string& why) {
     return Status::Unimplemented("hopper flash attention backward: " + why);
   };

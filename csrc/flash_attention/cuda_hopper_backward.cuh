@@ -768,14 +768,24 @@ Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
   return Status::Ok();
 }
 
+template <int kHeadDim, bool kSoftcap, bool kSegments>
+Status LaunchDType(const KernelParams& kp, bool f16, int batch, cudaStream_t stream) {
+  if (!f16) return LaunchKernel<kHeadDim, false, kSoftcap, kSegments>(kp, batch, stream);
+  if constexpr (kFloat16Built) {
+    return LaunchKernel<kHeadDim, true, kSoftcap, kSegments>(kp, batch, stream);
+  } else {
+    return FeatureNotBuilt("float16");
+  }
+}
+
 template <int kHeadDim, bool kSegments>
 Status LaunchVariant(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  if (softcap) {
-    return f16 ? LaunchKernel<kHeadDim, true, true, kSegments>(kp, batch, stream)
-               : LaunchKernel<kHeadDim, false, true, kSegments>(kp, batch, stream);
+  if (!softcap) return LaunchDType<kHeadDim, false, kSegments>(kp, f16, batch, stream);
+  if constexpr (kSoftCapBuilt) {
+    return LaunchDType<kHeadDim, true, kSegments>(kp, f16, batch, stream);
+  } else {
+    return FeatureNotBuilt("logits_soft_cap");
   }
-  return f16 ? LaunchKernel<kHeadDim, true, false, kSegments>(kp, batch, stream)
-             : LaunchKernel<kHeadDim, false, false, kSegments>(kp, batch, stream);
 }
 
 template <int kHeadDim>

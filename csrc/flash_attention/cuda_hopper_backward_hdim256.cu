@@ -1,6 +1,6 @@
 // Hopper flash attention backward kernels for head dim 256 (cuda_hopper_backward.cuh); one file
 // per head dim so that they compile in parallel.
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 #include "flash_attention/cuda_hopper_backward.cuh"

@@ -1,7 +1,7 @@
 // Hopper flash attention backward kernels for head dim 64 with segment ids.
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 
-#if EJK_FA_HEAD_DIM_ENABLED(64)
+#if EJK_FA_HEAD_DIM_ENABLED(64) && EJK_FA_FEATURE_ENABLED(segment_ids)
 #include "flash_attention/cuda_hopper_backward.cuh"
 
 namespace ejk::flash_attention::hopper_backward {

@@ -246,6 +246,7 @@ StatusOr<int> CurrentDeviceSms() {
 }  // namespace hopper
 
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
+  EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(p));
   const auto no = [](const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); };
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + p.q.ToString());

@@ -42,7 +42,7 @@
 #include <string>
 
 #include "flash_attention/cuda.h"
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/params.h"
 #include "runtime/fast_divisor.h"
 #include "runtime/status.h"
@@ -1305,15 +1305,24 @@ Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
                                                                                                               stream);
 }
 
+template <int kHeadDim, bool kMasked, bool kSoftcap, bool kSegments>
+Status LaunchDType(const CudaForwardArgs& args, cudaStream_t stream) {
+  if (args.p.q.dtype != DType::kF16) return LaunchKernel<kHeadDim, kMasked, false, kSoftcap, kSegments>(args, stream);
+  if constexpr (kFloat16Built) {
+    return LaunchKernel<kHeadDim, kMasked, true, kSoftcap, kSegments>(args, stream);
+  } else {
+    return FeatureNotBuilt("float16");
+  }
+}
+
 template <int kHeadDim, bool kMasked, bool kSegments>
 Status LaunchMasked(const CudaForwardArgs& args, cudaStream_t stream) {
-  const bool f16 = args.p.q.dtype == DType::kF16;
-  if (args.p.logits_soft_cap > 0.0f) {
-    return f16 ? LaunchKernel<kHeadDim, kMasked, true, true, kSegments>(args, stream)
-               : LaunchKernel<kHeadDim, kMasked, false, true, kSegments>(args, stream);
+  if (args.p.logits_soft_cap <= 0.0f) return LaunchDType<kHeadDim, kMasked, false, kSegments>(args, stream);
+  if constexpr (kSoftCapBuilt) {
+    return LaunchDType<kHeadDim, kMasked, true, kSegments>(args, stream);
+  } else {
+    return FeatureNotBuilt("logits_soft_cap");
   }
-  return f16 ? LaunchKernel<kHeadDim, kMasked, true, false, kSegments>(args, stream)
-             : LaunchKernel<kHeadDim, kMasked, false, false, kSegments>(args, stream);
 }
 
 // Calls with segment ids (the masked kernels' tiles, every key tile masked element-wise);
@@ -1325,7 +1334,13 @@ Status LaunchSegments(const CudaForwardArgs& args, cudaStream_t stream) {
 
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, cudaStream_t stream) {
-  if (args.p.q_segment_ids.present()) return LaunchSegments<kHeadDim>(args, stream);
+  if (args.p.q_segment_ids.present()) {
+    if constexpr (kSegmentIdsBuilt) {
+      return LaunchSegments<kHeadDim>(args, stream);
+    } else {
+      return FeatureNotBuilt("segment_ids");
+    }
+  }
   return CausalOrWindow(args.p) ? LaunchMasked<kHeadDim, true, false>(args, stream)
                                 : LaunchMasked<kHeadDim, false, false>(args, stream);
 }

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "flash_attention/cuda.h"
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/cuda_mma_backward.cuh"
 #include "flash_attention/cuda_mma_features.cuh"
 #include "runtime/cuda_mma.h"
@@ -199,6 +199,7 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
   const BackwardParams& p = args.p;
   const ForwardParams& fp = p.fwd;
   const Dims& d = args.dims;
+  EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(fp));
   const bool bf16 = fp.q.dtype == DType::kBF16;
   if (!bf16 && fp.q.dtype != DType::kF16) {
     return Status::Unimplemented(std::string("flash attention backward (mma): dtype ") + DTypeName(fp.q.dtype) +

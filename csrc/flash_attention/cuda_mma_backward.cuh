@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <string>
 
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/cuda_mma_features.cuh"
 #include "flash_attention/semantics.h"
 #include "runtime/cuda_mma.h"
@@ -705,16 +706,22 @@ Status LaunchTyped(const KernelArgs& a, bool deterministic, cudaStream_t stream)
   return Status::Ok();
 }
 
+template <typename T, int kD>
+Status LaunchVariant(const KernelArgs& a, bool general, bool deterministic, cudaStream_t stream) {
+  return general ? LaunchTyped<T, kD, true>(a, deterministic, stream)
+                 : LaunchTyped<T, kD, false>(a, deterministic, stream);
+}
+
 // The dK/dV (and, outside deterministic mode, dQ accumulation) kernels for one head dim;
 // instantiated in cuda_mma_backward_hdim<d>.cu.
 template <int kD>
 Status LaunchHeadDim(const KernelArgs& a, bool bf16, bool general, bool deterministic, cudaStream_t stream) {
-  if (bf16) {
-    return general ? LaunchTyped<__nv_bfloat16, kD, true>(a, deterministic, stream)
-                   : LaunchTyped<__nv_bfloat16, kD, false>(a, deterministic, stream);
+  if (bf16) return LaunchVariant<__nv_bfloat16, kD>(a, general, deterministic, stream);
+  if constexpr (kFloat16Built) {
+    return LaunchVariant<__half, kD>(a, general, deterministic, stream);
+  } else {
+    return FeatureNotBuilt("float16");
   }
-  return general ? LaunchTyped<__half, kD, true>(a, deterministic, stream)
-                 : LaunchTyped<__half, kD, false>(a, deterministic, stream);
 }
 
 }  // namespace ejk::flash_attention::mma_backward

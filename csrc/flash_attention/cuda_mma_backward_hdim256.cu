@@ -1,6 +1,6 @@
 // Flash attention backward kernels for head dim 256 (cuda_mma_backward.cuh); one file per head
 // dim so that they compile in parallel.
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 #include "flash_attention/cuda_mma_backward.cuh"

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "flash_attention/cuda.h"
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/cuda_mma_forward.cuh"
 
 namespace ejk::flash_attention {
@@ -26,6 +26,7 @@ bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 }  // namespace
 
 Status MmaSupports(const ForwardParams& p, const Dims& dims) {
+  EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(p));
   const std::string prefix = "flash attention mma.sync kernels: ";
   if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) {
     return Status::Unimplemented(prefix + "inputs must be bfloat16 or float16 (tensor cores take 16-bit operands), got " +

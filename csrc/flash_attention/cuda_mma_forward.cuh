@@ -43,6 +43,7 @@
 #include <string>
 
 #include "flash_attention/cuda.h"
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/cuda_mma_features.cuh"
 #include "runtime/cuda_mma.h"
 
@@ -539,7 +540,11 @@ Status DispatchConfigs(const CudaForwardArgs& args, const CudaConfig& cfg, cudaS
 template <typename... Cfgs>
 Status DispatchDType(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   if (args.p.q.dtype == DType::kBF16) return DispatchConfigs<__nv_bfloat16, Cfgs...>(args, cfg, stream);
-  return DispatchConfigs<__half, Cfgs...>(args, cfg, stream);
+  if constexpr (kFloat16Built) {
+    return DispatchConfigs<__half, Cfgs...>(args, cfg, stream);
+  } else {
+    return FeatureNotBuilt("float16");
+  }
 }
 
 }  // namespace mma

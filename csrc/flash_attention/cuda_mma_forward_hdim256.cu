@@ -1,5 +1,5 @@
 // Flash attention forward, mma.sync kernels for head dim 256 (tile configs: cuda_mma_forward.cuh).
-#include "flash_attention/cuda_head_dims.h"
+#include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 

@@ -47,8 +47,8 @@ CASES = {
 
 
 def worker(names: list[str], backward: bool) -> None:
-    """Times the cases with the library in EJKERNEL_LIBRARY; one JSON line per case."""
-    sys.path.insert(0, str(HERE))
+    """Times the cases with the library in EJKERNEL_LIBRARY; one JSON line per case (run as a
+    script, so that flash_attention_gpu beside it imports)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -84,8 +84,8 @@ def build(trees: list[Path], head_dims: str) -> None:
         ]
         script = f"{shlex.join(configure)} && ninja -C {build_dir} -j {jobs} ejkernel"
         build_dir.parent.mkdir(exist_ok=True)
-        log = open(build_dir.parent / "compare.log", "w")
-        procs.append((tree, subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT)))
+        with open(build_dir.parent / "compare.log", "w") as log:  # the child keeps its own descriptor
+            procs.append((tree, subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT)))
     for tree, proc in procs:
         if proc.wait() != 0:
             sys.exit(f"building {tree} failed: see {tree / 'build' / 'compare.log'}")

@@ -3,15 +3,17 @@ one process, forward and forward+backward.
 
 The grid follows FlashAttention-3's: B * S = 16384 tokens, H * D = 2048, head dims 64/128/256,
 S from 512 to 16384, causal and not; plus GQA 32/8, a sliding window of 1024 against full
-causal attention at S = 16384, and packed variable-length sequences. TFLOP/s count only the
-visible (unmasked) score entries: 4 * B * H * D * visible pairs forward, 2.5x that backward.
-Each implementation is timed in 3 rounds of alternating order and its best round is kept.
+causal attention at S = 16384, packed variable-length sequences, segment ids, and head dims 96
+and 192. TFLOP/s count only the visible (unmasked) score entries: 4 * B * H * D * visible pairs
+forward, 2.5x that backward. Each implementation is timed in 3 rounds of alternating order and
+its best round is kept.
 
     python benchmarks/flash_attention_gpu.py [--quick] [--out benchmarks/results]
     # in parts (e.g. to fit a time limit), then one JSON and plot from the parts:
     python benchmarks/flash_attention_gpu.py --head-dims 64,128 --no-extra --part a
-    python benchmarks/flash_attention_gpu.py --head-dims 256 --part b
-    python benchmarks/flash_attention_gpu.py --merge a b
+    python benchmarks/flash_attention_gpu.py --head-dims 256 --no-extra --part b
+    python benchmarks/flash_attention_gpu.py --head-dims '' --part c  # the extra cases
+    python benchmarks/flash_attention_gpu.py --merge a b c
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def extra_cases() -> list[Case]:
         Case("window_1024_16k", 1, 16384, 16, 128, causal=True, window=1024),
         Case("varlen", 16, 2048, 16, 128, causal=True, varlen=True),
         Case("segments", 4, 4096, 16, 128, causal=True, segments=4),
+        # Head dims outside the grid, 16 heads each.
+        Case("d96", 4, 4096, 16, 96),
+        Case("d96", 4, 4096, 16, 96, causal=True),
+        Case("d192", 4, 4096, 16, 192),
+        Case("d192", 4, 4096, 16, 192, causal=True),
     ]
 
 
@@ -350,7 +357,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="S in {1024, 4096} only, plus the extra cases")
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--head-dims", default="64,128,256", help="head dims of the FlashAttention-3 grid")
+    parser.add_argument("--head-dims", default="64,128,256",
+                        help="head dims of the FlashAttention-3 grid ('': the extra cases only)")
     parser.add_argument("--no-extra", action="store_true", help="skip the GQA, window and varlen cases")
     parser.add_argument("--part", help="write flash_attention_gpu.<part>.json instead of the final files")
     parser.add_argument("--merge", nargs="+", metavar="PART", help="merge parts into the final JSON and plot")
@@ -368,7 +376,7 @@ def main() -> None:
     if device.platform != "gpu":
         raise SystemExit(f"needs an NVIDIA GPU; the default device is {device.platform}")
     rng = np.random.default_rng(int(time.time_ns() % 2**32))
-    head_dims = tuple(int(d) for d in args.head_dims.split(","))
+    head_dims = tuple(int(d) for d in args.head_dims.split(",") if d)
     cases = fa3_grid(args.quick, head_dims) + ([] if args.no_extra else extra_cases())
     args.out.mkdir(parents=True, exist_ok=True)
     import ejkernel

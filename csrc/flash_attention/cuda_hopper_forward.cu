@@ -11,6 +11,24 @@
 
 namespace ejk::flash_attention {
 namespace hopper {
+
+// Compiled in cuda_hopper_forward_hdim*.cu.
+#if EJK_FA_HEAD_DIM_ENABLED(64)
+extern template Status Launch<64>(const CudaForwardArgs&, cudaStream_t);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+extern template Status Launch<96>(const CudaForwardArgs&, cudaStream_t);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(128)
+extern template Status Launch<128>(const CudaForwardArgs&, cudaStream_t);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+extern template Status Launch<192>(const CudaForwardArgs&, cudaStream_t);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(256)
+extern template Status Launch<256>(const CudaForwardArgs&, cudaStream_t);
+#endif
+
 namespace {
 
 bool HeadDimBuilt(int64_t d) {
@@ -18,8 +36,14 @@ bool HeadDimBuilt(int64_t d) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return true;
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+    case 96: return true;
+#endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
     case 128: return true;
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+    case 192: return true;
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
     case 256: return true;
@@ -251,7 +275,7 @@ Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDevice
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + p.q.ToString());
   if (!hopper::HeadDimBuilt(dims.head_dim)) {
-    return no("head_dim must be 64, 128 or 256 (as built), got " + std::to_string(dims.head_dim));
+    return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
   }
   if (p.bias.present()) return no("bias is not supported");
   if (p.mask.present()) return no("mask is not supported");
@@ -279,8 +303,14 @@ Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return hopper::Launch<64>(args, stream);
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+    case 96: return hopper::Launch<96>(args, stream);
+#endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
     case 128: return hopper::Launch<128>(args, stream);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+    case 192: return hopper::Launch<192>(args, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
     case 256: return hopper::Launch<256>(args, stream);

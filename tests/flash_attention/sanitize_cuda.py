@@ -15,7 +15,7 @@ def normal(*shape, dtype=jnp.bfloat16):
 
 
 calls = 0
-for head_dim, seq_q, seq_k in ((64, 37, 45), (128, 131, 200), (256, 70, 135)):
+for head_dim, seq_q, seq_k in ((64, 37, 45), (96, 75, 130), (128, 131, 200), (192, 66, 140), (256, 70, 135)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(1, 4, seq_q, seq_k, dtype=jnp.float32)
     mask = jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2)
@@ -62,13 +62,16 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (128, 131, 200), (256, 70, 135)):
 # persistent blocks take several tiles (short causal ones in pairs, 9 per head at d128: one
 # alone) and reuse their Q slots (O leaves through them).
 for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None), (4, 128, 1100, (64, 0)),
-                                     (4, 128, 1100, (250, 0)), (4, 128, 1100, None)):
+                                     (4, 128, 1100, (250, 0)), (4, 128, 1100, None), (4, 96, 1100, (250, 0)),
+                                     (9, 96, 1000, None)):
     q, k, v = (normal(batch, seq, 8, head_dim) for _ in range(3))
     jax.block_until_ready(flash_attention(q, k, v, causal=True, sliding_window=window, platform="cuda",
                                           return_lse=True))
     calls += 1
-# Not causal with more than 1024 keys: the 176-key d128 kernel (shorter calls take 128-key tiles).
-q, k, v = (normal(2, 1100, 4, 128) for _ in range(3))
-jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True))
-calls += 1
+# Not causal with more than 1024 keys: the 176-key d96 and d128 kernels (shorter calls take
+# 128-key tiles).
+for head_dim in (96, 128):
+    q, k, v = (normal(2, 1100, 4, head_dim) for _ in range(3))
+    jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True))
+    calls += 1
 print("sanitize_cuda: ran", calls, "calls")

@@ -24,9 +24,17 @@ namespace hopper_backward {
 extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
+#endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchSegments<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStream_t);
@@ -44,8 +52,14 @@ bool HeadDimBuilt(int64_t d) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return true;
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+    case 96: return true;
+#endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
     case 128: return true;
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+    case 192: return true;
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
     case 256: return true;
@@ -54,12 +68,22 @@ bool HeadDimBuilt(int64_t d) {
   }
 }
 
-// Query rows per tile and keys per block (cuda_hopper_backward.cuh), for a built head dim.
+// The head dim whose layout a built head dim runs in, its query rows per tile and keys per
+// block (cuda_hopper_backward.cuh).
+int PaddedDimFor(int64_t head_dim) {
+  switch (head_dim) {
+    case 96: return PaddedHeadDim<96>::kValue;
+    case 192: return PaddedHeadDim<192>::kValue;
+    default: return static_cast<int>(head_dim);
+  }
+}
 int BlockMFor(int64_t head_dim) {
-  return head_dim == 64 ? Layout<64>::kBlockM : head_dim == 128 ? Layout<128>::kBlockM : Layout<256>::kBlockM;
+  const int padded = PaddedDimFor(head_dim);
+  return padded == 64 ? Layout<64>::kBlockM : padded == 128 ? Layout<128>::kBlockM : Layout<256>::kBlockM;
 }
 int BlockNFor(int64_t head_dim) {
-  return head_dim == 64 ? Layout<64>::kBlockN : head_dim == 128 ? Layout<128>::kBlockN : Layout<256>::kBlockN;
+  const int padded = PaddedDimFor(head_dim);
+  return padded == 64 ? Layout<64>::kBlockN : padded == 128 ? Layout<128>::kBlockN : Layout<256>::kBlockN;
 }
 
 struct ScratchLayout {
@@ -75,7 +99,7 @@ ScratchLayout ScratchFor(const Dims& d, bool segments) {
   s.padded_q = s.num_m_blocks * block_m;
   s.rows = d.batch * d.num_q_heads * s.padded_q;
   s.stat_bytes = AlignScratch(static_cast<size_t>(s.rows) * sizeof(float));
-  s.dq_bytes = AlignScratch(static_cast<size_t>(s.rows * d.head_dim) * sizeof(float));
+  s.dq_bytes = AlignScratch(static_cast<size_t>(s.rows * PaddedDimFor(d.head_dim)) * sizeof(float));
   s.q_id_bytes = segments ? AlignScratch(static_cast<size_t>(d.batch * s.padded_q) * sizeof(int32_t)) : 0;
   s.tile_segment_bytes = segments ? AlignScratch(static_cast<size_t>(d.batch * s.num_m_blocks) * sizeof(int2)) : 0;
   return s;
@@ -85,19 +109,19 @@ bool HasSegments(const BackwardParams& p) { return p.fwd.q_segment_ids.present()
 
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
-// and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and head_dim / 8 lanes
-// share one, each with 16 bytes of out and dout, so that a warp reads contiguous memory.
-// (With one warp per row in [B, Hq, padded_q] order, half of a d128 warp idled and each row's
-// 256 bytes lay 4 KB from the next.) Each thread also zeroes 8 floats of the dQ accumulator
-// (rows * head_dim of them), which saves a separate pass over it. Rows number below 2^31
-// (HopperBackwardSupports).
+// and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and padded_dim / 8 lanes
+// share one, each with 16 bytes of out and dout (none past head_dim), so that a warp reads
+// contiguous memory. (With one warp per row in [B, Hq, padded_q] order, half of a d128 warp
+// idled and each row's 256 bytes lay 4 KB from the next.) Each thread also zeroes 8 floats
+// of the dQ accumulator (rows * padded_dim of them), which saves a separate pass over it.
+// Rows number below 2^31 (HopperBackwardSupports).
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* out, const T* dout, const float* lse,
                                                                        const float* dlse, float* lse2, float* delta,
                                                                        float* dq_accum, int32_t rows, int32_t seqlen_q,
                                                                        int32_t padded_q, int32_t num_q_heads,
-                                                                       int32_t head_dim) {
-  const int lanes_per_row = head_dim / 8;
+                                                                       int32_t head_dim, int32_t padded_dim) {
+  const int lanes_per_row = padded_dim / 8;
   const int64_t row64 = static_cast<int64_t>(blockIdx.x) * (kPreprocessThreads / lanes_per_row) + threadIdx.x / lanes_per_row;
   const int chunk = threadIdx.x % lanes_per_row;
   // Every lane takes part in the shuffles: rows past the end load nothing and store nothing.
@@ -110,7 +134,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) PreprocessKernel(const T* 
   const int32_t h = row % num_q_heads, bi = row / num_q_heads;
   const int32_t b = bi / padded_q, i = real_row ? bi % padded_q : seqlen_q;
   float sum = 0.0f;
-  if (i < seqlen_q) {
+  if (i < seqlen_q && chunk * 8 < head_dim) {
     const int64_t at = ((static_cast<int64_t>(b) * seqlen_q + i) * num_q_heads + h) * head_dim + chunk * 8;
     sum = cuda::Dot8<T>(*reinterpret_cast<const uint4*>(out + at), *reinterpret_cast<const uint4*>(dout + at));
   }
@@ -178,15 +202,20 @@ __global__ void __launch_bounds__(kSinkThreads) SinkGradKernel(const void* sinks
 // dq = scale * the tile-major accumulator (cuda_hopper_backward.cuh), one block per 64 x 64
 // block of it. Warpgroup w's block holds, as float4 number 128 j + t, rows 16 (t / 32) +
 // (t % 32) / 4 + {0, 8} of columns 8j + 2 (t % 4) + {0, 1}; query tiles of 64 rows hold
-// 64-column blocks of the head dim (one per warpgroup at head dim 128, two at 256), tiles of
+// 64-column blocks of the padded head dim (one per warpgroup at 128, two at 256), tiles of
 // 128 rows one 64-row block per warpgroup. The block reads it in order (four 16-byte loads
 // per thread), and writes it out through shared memory as whole 128-byte row segments:
 // stored straight from the accumulator's order, each warp instruction wrote 4 bytes into 16
-// rows, at about half the HBM bandwidth.
+// rows, at about half the HBM bandwidth. Columns from head_dim on are padding: not written.
 template <typename T>
 __global__ void __launch_bounds__(kConvertThreads) ConvertDqKernel(const float* acc, T* dq, int32_t seqlen_q,
                                                                    int32_t num_q_heads, int32_t head_dim,
-                                                                   int32_t block_m, int32_t num_m_blocks, float scale) {
+                                                                   int32_t padded_dim, int32_t block_m,
+                                                                   int32_t num_m_blocks, float scale) {
+  const int32_t blocks_per_tile = block_m * padded_dim / 4096;
+  const int32_t tile = blockIdx.x / blocks_per_tile, w = blockIdx.x % blocks_per_tile;
+  const int32_t col0 = block_m == 64 ? 64 * w : 0;
+  if (col0 >= head_dim) return;
   // 64 rows of 128 bytes; the 16-byte chunk k of row r sits at position k ^ (r % 8), so that
   // both the scattered 4-byte writes and the row reads are free of bank conflicts.
   __shared__ uint4 staged[64 * 8];
@@ -203,18 +232,15 @@ __global__ void __launch_bounds__(kConvertThreads) ConvertDqKernel(const float* 
     staged_words[(g + 8) * 32 + word] = cuda::PackFloat2<T>(v.z * scale, v.w * scale);
   }
   __syncthreads();
-  const int32_t blocks_per_tile = block_m * head_dim / 4096;
-  const int32_t tile = blockIdx.x / blocks_per_tile, w = blockIdx.x % blocks_per_tile;
   const int32_t m_block = tile % num_m_blocks, bh = tile / num_m_blocks;
   const int32_t b = bh / num_q_heads, h = bh % num_q_heads;
   const int64_t row_stride = static_cast<int64_t>(num_q_heads) * head_dim;
-  T* head_out = dq + static_cast<int64_t>(b) * seqlen_q * row_stride + static_cast<int64_t>(h) * head_dim +
-                (block_m == 64 ? 64 * w : 0);
+  T* head_out = dq + static_cast<int64_t>(b) * seqlen_q * row_stride + static_cast<int64_t>(h) * head_dim + col0;
 #pragma unroll
   for (int k = 0; k < 64 * 8 / kConvertThreads; ++k) {
     const int row = k * (kConvertThreads / 8) + threadIdx.x / 8, chunk = threadIdx.x % 8;
     const int32_t i = m_block * block_m + (block_m == 64 ? row : 64 * w + row);
-    if (i < seqlen_q) {
+    if (i < seqlen_q && col0 + chunk * 8 < head_dim) {
       *reinterpret_cast<uint4*>(head_out + static_cast<int64_t>(i) * row_stride + chunk * 8) =
           staged[row * 8 + (chunk ^ (row % 8))];
     }
@@ -244,8 +270,14 @@ Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softc
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return LaunchHeadDim<64>(kp, f16, softcap, batch, stream);
 #endif
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+    case 96: return LaunchHeadDim<96>(kp, f16, softcap, batch, stream);
+#endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
     case 128: return LaunchHeadDim<128>(kp, f16, softcap, batch, stream);
+#endif
+#if EJK_FA_HEAD_DIM_ENABLED(192)
+    case 192: return LaunchHeadDim<192>(kp, f16, softcap, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
     case 256: return LaunchHeadDim<256>(kp, f16, softcap, batch, stream);
@@ -266,7 +298,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (f.q.dtype != DType::kBF16 && f.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + f.q.ToString());
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) {
-    return no("head_dim must be 64, 128 or 256 (as built), got " + std::to_string(dims.head_dim));
+    return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
   }
   if (f.bias.present()) return no("bias is not supported");
   if (f.mask.present()) return no("mask is not supported");
@@ -361,19 +393,22 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     EJK_RETURN_IF_ERROR(zero(p.dv.data, p.dv.SizeBytes()));
   }
   const int head_dim = static_cast<int>(d.head_dim);
+  const int padded_dim = PaddedDimFor(d.head_dim);
   {
-    const int rows_per_block = kPreprocessThreads / (head_dim / 8);
+    const int rows_per_block = kPreprocessThreads / (padded_dim / 8);
     const unsigned blocks = static_cast<unsigned>((sl.rows + rows_per_block - 1) / rows_per_block);
     const int32_t rows = static_cast<int32_t>(sl.rows);
     const float* dlse = p.dlse.present() ? p.dlse.ptr<float>() : nullptr;
     if (f16) {
       PreprocessKernel<__half><<<blocks, kPreprocessThreads, 0, stream>>>(
           static_cast<const __half*>(f.out.data), static_cast<const __half*>(p.dout.data), f.lse.ptr<float>(), dlse,
-          lse2, delta, kp.dq_accum, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
+          lse2, delta, kp.dq_accum, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim,
+          padded_dim);
     } else {
       PreprocessKernel<__nv_bfloat16><<<blocks, kPreprocessThreads, 0, stream>>>(
           static_cast<const __nv_bfloat16*>(f.out.data), static_cast<const __nv_bfloat16*>(p.dout.data),
-          f.lse.ptr<float>(), dlse, lse2, delta, kp.dq_accum, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim);
+          f.lse.ptr<float>(), dlse, lse2, delta, kp.dq_accum, rows, kp.seqlen_q, kp.padded_q, kp.num_q_heads, head_dim,
+          padded_dim);
     }
     EJK_RETURN_IF_ERROR(LastLaunch("preprocess"));
   }
@@ -386,14 +421,14 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   }
   EJK_RETURN_IF_ERROR(LaunchMain(d.head_dim, kp, f16, f.logits_soft_cap > 0.0f, static_cast<int>(d.batch), stream));
   {
-    const unsigned blocks = static_cast<unsigned>(sl.rows * head_dim / 4096);  // 64 x 64 blocks
+    const unsigned blocks = static_cast<unsigned>(sl.rows * padded_dim / 4096);  // 64 x 64 blocks
     if (f16) {
       ConvertDqKernel<__half><<<blocks, kConvertThreads, 0, stream>>>(kp.dq_accum, static_cast<__half*>(p.dq.data),
-                                                                     kp.seqlen_q, kp.num_q_heads, head_dim, block_m,
+                                                                     kp.seqlen_q, kp.num_q_heads, head_dim, padded_dim, block_m,
                                                                      kp.num_m_blocks, f.softmax_scale);
     } else {
       ConvertDqKernel<__nv_bfloat16><<<blocks, kConvertThreads, 0, stream>>>(
-          kp.dq_accum, static_cast<__nv_bfloat16*>(p.dq.data), kp.seqlen_q, kp.num_q_heads, head_dim, block_m,
+          kp.dq_accum, static_cast<__nv_bfloat16*>(p.dq.data), kp.seqlen_q, kp.num_q_heads, head_dim, padded_dim, block_m,
           kp.num_m_blocks, f.softmax_scale);
     }
     EJK_RETURN_IF_ERROR(LastLaunch("dq conversion"));

@@ -5,14 +5,14 @@
 // keys, for every query head of the kv group (GQA never materialises per-q-head dK/dV):
 //   warp 0       loads K and V once, then Q, dO (TMA) and the rows' lse and D (bulk copies)
 //                of each query tile into a 2- or 3-stage ring guarded by mbarriers;
-//   warpgroups 1 and 2  consumers. Head dims 64/128 (kBlockN = 128, 64 keys each): S^T =
+//   warpgroups 1 and 2  consumers. Head dims 64/96/128 (kBlockN = 128, 64 keys each): S^T =
 //                K Q^T and dP^T = V dO^T (wgmma, both operands from shared memory), P^T =
 //                exp2(S^T * scale * log2 e - lse) and dS^T = P^T (dP^T - D) in registers,
 //                where they already are the A operands of dV += P^T dO and dK += dS^T Q
 //                (wgmma with A from registers). dS^T also goes to shared memory, from where
 //                the two warpgroups compute dQ = dS K, each a 64 x 64 block of it, and add it
 //                into the global accumulator straight from registers (vector reductions in
-//                L2). Head dim 256 (kBlockN = 64, see Layout): each warpgroup computes S^T
+//                L2). Head dims 192/256 (kBlockN = 64, see Layout): each warpgroup computes S^T
 //                and dP^T for 32 of the tile's queries, P^T and dS^T meet in shared memory,
 //                and each warpgroup owns 128 columns of dV, dK and dQ (all operands from
 //                shared memory).
@@ -67,17 +67,30 @@
 namespace ejk::flash_attention::hopper_backward {
 
 // Two ways to share a block between the consumer warpgroups:
-//   head dims 64 and 128 ("split keys"): kBlockN = 128 keys, each warpgroup owns 64 of them,
-//     all their dK/dV columns, and the whole S^T/dP^T rows of its keys, so P^T and dS^T are
-//     the register A operands of dV and dK. The consumers' S^T/dP^T accumulators hold
+//   head dims 64, 96 and 128 ("split keys"): kBlockN = 128 keys, each warpgroup owns 64 of
+//     them, all their dK/dV columns, and the whole S^T/dP^T rows of its keys, so P^T and dS^T
+//     are the register A operands of dV and dK. The consumers' S^T/dP^T accumulators hold
 //     kBlockM / 2 floats each next to dK and dV (kHeadDim / 2 each), so the wider head dim
-//     takes the shorter query tile. dQ is kBlockM * kHeadDim = 8192 floats, a 64 x 64 block
+//     takes the shorter query tile. dQ is kBlockM * kPaddedDim = 8192 floats, a 64 x 64 block
 //     per warpgroup.
-//   head dim 256 ("split queries"): dK and dV of 128 keys x 256 columns do not fit in two
-//     warpgroups' registers, so kBlockN = 64 keys, and each warpgroup owns 128 columns of
-//     dK, dV and dQ and 32 query columns of S^T and dP^T (m64n32 products). P^T and dS^T go
-//     through shared memory, from where both warpgroups read them as A operands.
+//   head dims 192 and 256 ("split queries"): dK and dV of 128 keys x 192 or 256 columns do
+//     not fit in two warpgroups' registers, so kBlockN = 64 keys, and each warpgroup owns 128
+//     columns of dK, dV and dQ and 32 query columns of S^T and dP^T (m64n32 products). P^T
+//     and dS^T go through shared memory, from where both warpgroups read them as A operands.
+// Head dims 96 and 192 run in the layout of 128 and 256: shared-memory tiles, the dQ
+// accumulator and the consumers' split are those of the wider head dim, TMA zero-fills the
+// columns past the head dim, S^T and dP^T sum over the real columns only, and nothing past
+// them is stored. At 96 dV and dK are m64n96 products; at 192 the second warpgroup's 128
+// columns hold 64 of padding (a split inside a 64-column swizzle block is not addressable
+// by the MN-major operands of dV, dK and dQ).
 template <int kHeadDim>
+struct PaddedHeadDim {
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256);
+  static constexpr int kValue = kHeadDim == 96 ? 128 : kHeadDim == 192 ? 256 : kHeadDim;
+};
+
+// Query rows per tile, by padded head dim.
+template <int kPaddedDim>
 struct BlockM;
 template <>
 struct BlockM<64> {
@@ -95,13 +108,14 @@ struct BlockM<256> {
 // kSegments: each stage also holds its query tile's segment ids.
 template <int kHeadDim, bool kSegments = false>
 struct Layout {
-  static constexpr bool kSplitQueries = kHeadDim == 256;
-  static constexpr int kBlockM = BlockM<kHeadDim>::kValue;
+  static constexpr int kPaddedDim = PaddedHeadDim<kHeadDim>::kValue;
+  static constexpr bool kSplitQueries = kPaddedDim == 256;
+  static constexpr int kBlockM = BlockM<kPaddedDim>::kValue;
   static constexpr int kBlockN = kSplitQueries ? 64 : 128;
   static constexpr int kThreads = 384;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr int kColBlocks = kPaddedDim / 64;
   static constexpr int kKvBlockBytes = kBlockN * 128;  // one 64-column block of K or V
   static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
   static constexpr int kQBlockBytes = kBlockM * 128;
@@ -111,9 +125,9 @@ struct Layout {
   // Split keys at head dim 128: the dQ of item i is issued with item i + 1's products (see the
   // kernel), so a dS^T buffer is rewritten only once both warpgroups' products from it are
   // complete: three buffers. (Head dim 64 measured 3-7% slower that way.)
-  static constexpr bool kLateDq = kHeadDim == 128;
+  static constexpr bool kLateDq = kPaddedDim == 128;
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
-  static constexpr int kDqFloats = kBlockM * kHeadDim;
+  static constexpr int kDqFloats = kBlockM * kPaddedDim;
   static constexpr int kQIdBytes = kSegments ? kBlockM * 4 : 0;  // per stage
   // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
   static constexpr int BytesFor(int stages) {
@@ -437,7 +451,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       if (key < sk) kv_id[r] = __ldg(p.kv_segment_ids + static_cast<int64_t>(batch) * p.seqlen_k + key);
     }
   }
-  constexpr int kAcc = kSplitQueries ? kHeadDim / 4 : kHeadDim / 2;
+  constexpr int kAcc = kSplitQueries ? L::kPaddedDim / 4 : kHeadDim / 2;
   float dk[kAcc], dv[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) dk[i] = dv[i] = 0.0f;
@@ -471,14 +485,18 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   const int q_fence = p.cu_seqlens_k != nullptr ? sq : p.padded_q;
   // dQ of warpgroup column block b (64 x 64 floats, 4096) into its tile in register order:
   // float4 (j, thread) holds accumulator elements 4j..4j+3, so each warp's reductions cover
-  // 512 contiguous bytes.
+  // 512 contiguous bytes. Columns past a padded head dim (64 b + 8 j on) are left out.
   const auto add_dq = [&](const float* dq, int it, int b) {
     const int head = kv_head * p.group + it / m_count;
     const int m_block = m_lo + it % m_count;
     float* tile = p.dq_accum + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) *
                                    static_cast<int64_t>(L::kDqFloats) + b * 4096;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    for (int j = 0; j < 8; ++j) {
+      if (kHeadDim == L::kPaddedDim || 64 * b + 8 * j < kHeadDim) {
+        RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      }
+    }
   };
 
   // Split keys: the dQ of an item is dS K over both warpgroups' keys (this warpgroup's 64 x 64
@@ -720,7 +738,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     }
   }
 
-  // Epilogue: dK (scaled) and dV rows of this thread's keys.
+  // Epilogue: dK (scaled) and dV rows of this thread's keys, up to the head dim.
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -732,6 +750,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + off;
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
+        if (kHeadDim != L::kPaddedDim && col0 + 8 * j >= kHeadDim) break;
         *reinterpret_cast<uint32_t*>(dk_row + 8 * j) =
             Pack<kF16>(dk[4 * j + 2 * r] * p.dk_scale, dk[4 * j + 2 * r + 1] * p.dk_scale);
         *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = Pack<kF16>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);

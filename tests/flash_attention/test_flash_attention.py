@@ -174,10 +174,11 @@ CASES = [
          q_heads=2, kv_heads=1, causal=True, soft_cap=5.0, segments=True),
     Case("tiles_segments_bf16_d128_gqa_sq>sk", dtype="bfloat16", batch=2, seq_q=710, seq_k=650, q_heads=6,
          kv_heads=2, head_dim=128, segments=True),
-    # The Hopper forward at d=96, whose second 64-column block is half filled (zeros past the
-    # head dim, never stored): 176-key tiles with O through each warp's shared tile, 128-key
-    # tiles with O through the Q slot, a band's narrow edges, causal pairs, packed sequences
-    # (O from registers).
+    # The Hopper kernels at d=96, whose second 64-column block is half filled (zeros past the
+    # head dim, never stored). Forward: 176-key tiles with O through each warp's shared tile,
+    # 128-key tiles with O through the Q slot, a band's narrow edges, causal pairs, packed
+    # sequences (O from registers). Backward: d128's layout with m64n96 dV and dK and a
+    # padded dQ accumulator.
     Case("tiles_d96_bf16_176_key_tiles_sinks", dtype="bfloat16", batch=1, seq_q=300, seq_k=1104, q_heads=4,
          kv_heads=2, head_dim=96, sinks=True),
     Case("tiles_d96_f16_short_gqa", dtype="float16", batch=2, seq_q=300, seq_k=400, q_heads=4, kv_heads=1,
@@ -190,7 +191,8 @@ CASES = [
          window=(60, 10)),
     Case("tiles_segments_f16_d96_causal", dtype="float16", batch=2, seq_q=300, seq_k=300, q_heads=2, kv_heads=2,
          head_dim=96, causal=True, segments=True),
-    # The Hopper forward at d=192 (112-key tiles, three 64-column blocks).
+    # The Hopper kernels at d=192: the forward's 112-key tiles of three 64-column blocks, the
+    # backward in d256's layout (a fourth block of zeros, never stored).
     Case("tiles_d192_bf16_gqa_sinks_sq>sk", dtype="bfloat16", batch=2, seq_q=301, seq_k=250, q_heads=4, kv_heads=1,
          head_dim=192, sinks=True),
     Case("tiles_d192_f16_causal_soft_cap", dtype="float16", batch=1, seq_q=333, seq_k=400, q_heads=2, kv_heads=2,

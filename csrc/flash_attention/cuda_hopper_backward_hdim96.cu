@@ -1,0 +1,11 @@
+// Hopper flash attention backward kernels for head dim 96 (cuda_hopper_backward.cuh); one file
+// per head dim so that they compile in parallel.
+#include "flash_attention/cuda_build_scope.h"
+
+#if EJK_FA_HEAD_DIM_ENABLED(96)
+#include "flash_attention/cuda_hopper_backward.cuh"
+
+namespace ejk::flash_attention::hopper_backward {
+template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
+}  // namespace ejk::flash_attention::hopper_backward
+#endif

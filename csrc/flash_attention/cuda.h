@@ -71,7 +71,7 @@ size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids);
 // Hopper backward (wgmma), sm_90a only; a subset of the features (HopperBackwardSupports
 // says which); the rest run on BackwardMma. Scratch sized from shapes only.
 Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
-size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids);
+size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids, bool deterministic);
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream);
 
 }  // namespace ejk::flash_attention

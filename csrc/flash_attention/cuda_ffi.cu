@@ -102,7 +102,7 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
 // kernels' needs: which one runs is decided per device and call. The forward's is the Hopper
 // kernel's segment scratch (ForwardHopperScratchBytes).
 size_t BackwardWorkspaceBytes(const Dims& dims, bool segment_ids, bool deterministic) {
-  return std::max(BackwardHopperScratchBytes(dims, segment_ids), BackwardMmaScratchBytes(dims, deterministic));
+  return std::max(BackwardHopperScratchBytes(dims, segment_ids, deterministic), BackwardMmaScratchBytes(dims, deterministic));
 }
 
 // The workspace result, or an error naming both sizes when it is smaller than the call needs.

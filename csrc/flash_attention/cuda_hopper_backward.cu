@@ -5,7 +5,8 @@
 // Scratch (sizes from shapes only): lse2 and delta [B, Hq, padded_q] f32, padded_q = Sq (for
 // packed sequences, the packed length) rounded up to the query tile, then the tile-major f32
 // dQ accumulator, then (segment ids only) the query segment ids padded to [B, padded_q] and
-// the smallest and largest id of each query tile, [B, num_m_blocks] int2.
+// the smallest and largest id of each query tile, [B, num_m_blocks] int2, then
+// (deterministic mode only) the dQ turn counters, [B, Hq, num_m_blocks, 2] int32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -90,9 +91,10 @@ struct ScratchLayout {
   int64_t num_m_blocks, padded_q, rows;
   size_t stat_bytes, dq_bytes;
   size_t q_id_bytes, tile_segment_bytes;  // segment ids only, else 0
+  size_t turn_bytes;                      // deterministic mode only, else 0
 };
 
-ScratchLayout ScratchFor(const Dims& d, bool segments) {
+ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic) {
   ScratchLayout s;
   const int block_m = BlockMFor(d.head_dim);
   s.num_m_blocks = (d.seqlen_q + block_m - 1) / block_m;
@@ -102,6 +104,8 @@ ScratchLayout ScratchFor(const Dims& d, bool segments) {
   s.dq_bytes = AlignScratch(static_cast<size_t>(s.rows * PaddedDimFor(d.head_dim)) * sizeof(float));
   s.q_id_bytes = segments ? AlignScratch(static_cast<size_t>(d.batch * s.padded_q) * sizeof(int32_t)) : 0;
   s.tile_segment_bytes = segments ? AlignScratch(static_cast<size_t>(d.batch * s.num_m_blocks) * sizeof(int2)) : 0;
+  s.turn_bytes =
+      deterministic ? AlignScratch(static_cast<size_t>(d.batch * d.num_q_heads * s.num_m_blocks * 2) * sizeof(int32_t)) : 0;
   return s;
 }
 
@@ -303,12 +307,12 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present()) return no("bias is not supported");
   if (f.mask.present()) return no("mask is not supported");
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");
-  if (p.deterministic) return no("deterministic mode is not supported");
+  if (p.deterministic && dims.varlen) return no("deterministic mode is not supported with packed sequences");
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
-  if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p)).rows >= (int64_t{1} << 31)) {
+  if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p), p.deterministic).rows >= (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv}) {
@@ -317,10 +321,10 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   return Status::Ok();
 }
 
-size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids) {
+size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids, bool deterministic) {
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) return 0;
-  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, segment_ids);
-  return 2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes;
+  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, segment_ids, deterministic);
+  return 2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes;
 }
 
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
@@ -329,7 +333,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
   EJK_RETURN_IF_ERROR(HopperBackwardSupports(p, d, CurrentCudaDevice()));
-  const ScratchLayout sl = ScratchFor(d, HasSegments(p));
+  const ScratchLayout sl = ScratchFor(d, HasSegments(p), p.deterministic);
   const int block_m = BlockMFor(d.head_dim);
   const bool f16 = f.q.dtype == DType::kF16;
   char* base = static_cast<char*>(scratch);
@@ -370,6 +374,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   kp.q_segment_ids = nullptr;
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;
+  kp.dq_turns = nullptr;
   if (HasSegments(p)) {
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
     int* q_ids_padded = reinterpret_cast<int*>(segments);
@@ -387,6 +392,10 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
                               : Status::Internal(std::string("hopper flash attention backward: memset failed: ") +
                                                  cudaGetErrorString(err));
   };
+  if (p.deterministic) {
+    kp.dq_turns = reinterpret_cast<int*>(base + 2 * sl.stat_bytes + sl.dq_bytes + sl.q_id_bytes + sl.tile_segment_bytes);
+    EJK_RETURN_IF_ERROR(zero(kp.dq_turns, sl.turn_bytes));
+  }
   if (d.varlen) {
     // Keys outside every sequence get no block: their dK and dV are zero.
     EJK_RETURN_IF_ERROR(zero(p.dk.data, p.dk.SizeBytes()));

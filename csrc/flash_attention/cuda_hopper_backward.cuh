@@ -37,6 +37,9 @@
 // receive only zeros, and the keys outside every sequence, which no block owns, have their
 // dK and dV zeroed beforehand.
 //
+// Deterministic mode (its own kernels): the key blocks that see a query tile add their dQ
+// into it in a fixed order, kept by two producer warps (see "Deterministic dQ" in the kernel).
+//
 // The dQ accumulator is tile-major: [B, Hq, m block] tiles of kBlockM * D floats in the
 // consumers' register order (so that each warp's reductions cover contiguous bytes);
 // cuda_hopper_backward.cu converts it into dq. Reducing from registers rather than through a
@@ -181,6 +184,10 @@ struct KernelParams {
   const int* q_segment_ids;
   const int2* q_tile_segments;
   const int* kv_segment_ids;
+  // Deterministic mode (never with packed sequences), else null: per query tile and consumer
+  // warpgroup, [B, Hq, num_m_blocks, 2], how many key blocks have added their dQ (zeroed
+  // before the launch). See "Deterministic dQ" in the kernel.
+  int* dq_turns;
 };
 
 template <int kHeadDim>
@@ -303,15 +310,31 @@ __device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batc
   m_count = meeting.x < 0 ? 0 : meeting.y - meeting.x + 1;
 }
 
-// Named barriers (0 is __syncthreads), 256 threads each.
+__device__ __forceinline__ int LoadAcquire(const int* addr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+// *addr += 1 once every memory operation of the thread, and of the threads it synchronised
+// with (a barrier), is visible to the GPU.
+__device__ __forceinline__ void IncrementRelease(int* addr) {
+  asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(addr) : "memory");
+}
+
+// Named barriers (0 is __syncthreads): 256 threads each, the kBarDq ones 160 (a consumer
+// warpgroup and the producer warp that keeps its dQ turns).
 constexpr int kBarDsReady = 1;   // split queries: both consumer warpgroups stored dS^T
 constexpr int kBarDsStored = 2;  // split keys: + 2 wg + item parity: warpgroup wg stored its dS^T
+constexpr int kBarDqGo = 6;      // + wg: deterministic mode, warpgroup wg's turn at a dQ tile came
+constexpr int kBarDqDone = 8;    // + wg: warpgroup wg added its dQ into the tile
 
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-// kSegments: segment ids, masked element-wise in every query tile.
-template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments>
+// kSegments: segment ids, masked element-wise in every query tile. kDeterministic: dQ added
+// in a fixed order (p.dq_turns); its own kernels, so that the others carry none of its code.
+template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments, bool kDeterministic>
 __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
   using namespace device;
@@ -337,7 +360,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // Block order: sections of p.section (batch, kv head) pairs; inside one, key tile 0 (the
   // longest under a causal mask) of every pair, then tile 1, ... Blocks are dispatched in
   // this order, so a causal grid ends with short tiles, and concurrent blocks read the Q and
-  // dO of a few heads only.
+  // dO of a few heads only. Deterministic mode walks the key tiles last to first (see
+  // "Deterministic dQ").
   int n_block, kv_head, batch;
   {
     const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -347,6 +371,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     const int within = linear % per_section;
     const int pair = first + within % pairs;
     n_block = within / pairs;
+    if constexpr (kDeterministic) n_block = gridDim.x - 1 - n_block;
     kv_head = pair % p.num_kv_heads;
     batch = pair / p.num_kv_heads;
   }
@@ -365,15 +390,24 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   }
   const int n0 = n_block * kBlockN;  // keys and queries from here on are local to the sequence
   const int offset = sk - sq;
-  // Queries that see a key of the block: [q_lo, q_hi) of the sequence, q_begin + [q_lo, q_hi)
-  // of the batch row. Query tiles are the batch row's kBlockM-row tiles, those of the dQ
-  // accumulator, so with packed sequences a tile may hold rows of the neighbours.
-  const int k_last = min(n0 + kBlockN, sk) - 1;
-  const int q_lo = q_begin + max(0, n0 - offset - p.right);
-  const int q_hi = q_begin + min(sq, k_last - offset + p.left + 1);
-  int m_lo = q_lo / kBlockM;
-  int m_count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - m_lo : 0;
-  if constexpr (kSegments) NarrowToSegments<kBlockN>(p, batch, n0, sk, threadIdx.x % 32, m_lo, m_count);
+  // The query tiles [lo, lo + count) that key block nb's keys are visible to: those holding
+  // [q_lo, q_hi) of the sequence, q_begin + [q_lo, q_hi) of the batch row. Query tiles are the
+  // batch row's kBlockM-row tiles, those of the dQ accumulator, so with packed sequences a
+  // tile may hold rows of the neighbours. Both ends grow with nb.
+  const auto query_tiles = [&](int nb, int& lo, int& count) {
+    const int first_key = nb * kBlockN;
+    const int k_last = min(first_key + kBlockN, sk) - 1;
+    const int q_lo = q_begin + max(0, first_key - offset - p.right);
+    const int q_hi = q_begin + min(sq, k_last - offset + p.left + 1);
+    lo = q_lo / kBlockM;
+    count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - lo : 0;
+  };
+  int m_lo, m_count;
+  query_tiles(n_block, m_lo, m_count);
+  // (Deterministic mode visits every tile of the range: see "Deterministic dQ".)
+  if constexpr (kSegments && !kDeterministic) {
+    NarrowToSegments<kBlockN>(p, batch, n0, sk, threadIdx.x % 32, m_lo, m_count);
+  }
   const int items = m_count * p.group;  // item it: q head kv_head * group + it / m_count, m block m_lo + it % m_count
 
   if (threadIdx.x == 0) {
@@ -427,6 +461,44 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           TmaLoad4d(do_smem(s) + cb * L::kQBlockBytes, &p.tma_do, do_full(s), cb * 64, head, m0, batch);
         }
         BulkLoad(smem + L::kDelta + s * kBlockM * 4, p.delta + row, kBlockM * 4, do_full(s));
+      }
+    } else if (kDeterministic && (warp == 1 || warp == 2)) {
+      // Deterministic dQ: the key blocks that see a query tile add their dQ into it one after
+      // the other, the last key block first, each consumer warpgroup into its own columns (or
+      // rows) after the same warpgroup of the block before; warp 1 + wg keeps the turns of
+      // consumer warpgroup wg. Blocks are dispatched last key tile first, so a block waits
+      // only for blocks dispatched before it (running or done: no deadlock); under
+      // causal-like masks block nb reaches each tile after block nb + 1 did and never waits,
+      // without masks it trails it by a tile. The block's turn at tile m is the number of
+      // blocks after it that see m: they are contiguous, up to the last block whose tiles
+      // start at or before m (found by bisection; this mode does not narrow the tiles to
+      // segments). The consumers' reductions reach L2 before the count moves on: they arrive
+      // on a barrier that this warp waits for before its release.
+      const int served = warp - 1;
+      for (int it = 0; it < items; ++it) {
+        const int head = kv_head * p.group + it / m_count;
+        const int m_block = m_lo + it % m_count;
+        int last = n_block, hi = static_cast<int>(gridDim.x) - 1;
+        while (last < hi) {
+          const int mid = (last + hi + 1) / 2;
+          int first, count;
+          query_tiles(mid, first, count);
+          if (count > 0 && first <= m_block) {
+            last = mid;
+          } else {
+            hi = mid - 1;
+          }
+        }
+        int* turn = p.dq_turns + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) * 2 +
+                    served;
+        if (lane == 0) {
+          while (LoadAcquire(turn) != last - n_block) {
+          }
+        }
+        __syncwarp();
+        NamedBarrierArrive(kBarDqGo + served, 160);
+        NamedBarrierSync(kBarDqDone + served, 160);
+        if (lane == 0) IncrementRelease(turn);
       }
     }
     return;
@@ -497,6 +569,20 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       }
     }
+  };
+
+  // This warpgroup's dQ of item it into the accumulator (both of its blocks when splitting
+  // queries); in deterministic mode in the tile's turn, which warp 1 + wg of the producer
+  // warpgroup waits for and passes on (see "Deterministic dQ").
+  const auto add_item_dq = [&](const float* dq, int it) {
+    if constexpr (kDeterministic) NamedBarrierSync(kBarDqGo + wg, 160);
+    if constexpr (kSplitQueries) {
+      add_dq(dq, it, 2 * wg);
+      add_dq(dq + 32, it, 2 * wg + 1);
+    } else {
+      add_dq(dq, it, wg);
+    }
+    if constexpr (kDeterministic) NamedBarrierArrive(kBarDqDone + wg, 160);
   };
 
   // Split keys: the dQ of an item is dS K over both warpgroups' keys (this warpgroup's 64 x 64
@@ -609,8 +695,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // itself: a warp-level handoff left racecheck reporting these reads in some runs.
       FenceProxyAsyncShared();
       MbarArrive(empty(s));
-      add_dq(dq, it, 2 * wg);
-      add_dq(dq + 32, it, 2 * wg + 1);
+      add_item_dq(dq, it);
     } else {
       // S^T and dP^T for this warpgroup's 64 keys x the tile's queries.
       float sc[kBlockM / 2], dp[kBlockM / 2];
@@ -722,7 +807,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // itself: a warp-level handoff left racecheck reporting these reads in some runs.
       FenceProxyAsyncShared();
       MbarArrive(empty(s));
-      if (!L::kLateDq || it > 0) add_dq(dq, L::kLateDq ? it - 1 : it, wg);
+      if (!L::kLateDq || it > 0) add_item_dq(dq, L::kLateDq ? it - 1 : it);
     }
   }
   if constexpr (L::kLateDq) {
@@ -734,7 +819,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       WgmmaCommit();
       WgmmaWait<0>();
       FenceRegisters(dq);
-      add_dq(dq, items - 1, wg);
+      add_item_dq(dq, items - 1);
     }
   }
 
@@ -765,7 +850,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments>
 Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
   using L = Layout<kHeadDim, kSegments>;
-  void (*kernel)(const KernelParams) = BackwardKernel<kHeadDim, kF16, kSoftcap, kSegments>;
+  void (*kernel)(const KernelParams) = kp.dq_turns != nullptr ? BackwardKernel<kHeadDim, kF16, kSoftcap, kSegments, true>
+                                                              : BackwardKernel<kHeadDim, kF16, kSoftcap, kSegments, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention backward: shared memory attribute: ") +

@@ -25,6 +25,8 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (96, 75, 130), (128, 131, 200), (19
         dict(causal=True, sliding_window=(7, 0), logits_soft_cap=20.0, softmax_aux=aux),
         dict(bias=bias, attention_mask=mask, softmax_aux=aux, dropout_prob=0.2, dropout_seed=3),
         dict(causal=True, bias=bias, deterministic=True),
+        dict(deterministic=True),  # the Hopper backward's ordered dQ, unmasked and windowed
+        dict(causal=True, sliding_window=(40, 5), deterministic=True),
     ]
     for kwargs in runs:
         def loss(q, k, v):

@@ -157,6 +157,20 @@ CASES = [
          window=(-1, 30)),
     Case("tiles_d128_deterministic", dtype="bfloat16", batch=2, seq_q=257, seq_k=190, q_heads=4, kv_heads=2,
          head_dim=128, bias="1H", deterministic=True),
+    # The deterministic Hopper backward: key blocks add into each dQ tile in a fixed order, the
+    # last first (up to 9 blocks per tile), with causal, unmasked and windowed walks, every
+    # way of splitting a block between the consumer warpgroups, and segment ids (no tiles
+    # skipped in this mode).
+    Case("tiles_d128_deterministic_causal_gqa", dtype="bfloat16", batch=1, seq_q=1100, seq_k=1100, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, deterministic=True),
+    Case("tiles_d64_deterministic_f16_sq>sk", dtype="float16", batch=2, seq_q=700, seq_k=650, q_heads=2,
+         kv_heads=1, deterministic=True),
+    Case("tiles_d256_deterministic_window_soft_cap_sinks", dtype="bfloat16", batch=1, seq_q=400, seq_k=450,
+         q_heads=2, kv_heads=1, head_dim=256, window=(150, 40), soft_cap=6.0, sinks=True, deterministic=True),
+    Case("tiles_d96_deterministic_f16_segments", dtype="float16", batch=2, seq_q=300, seq_k=300, q_heads=2,
+         kv_heads=2, head_dim=96, causal=True, segments=True, deterministic=True),
+    Case("tiles_d192_deterministic_gqa", dtype="bfloat16", batch=1, seq_q=333, seq_k=520, q_heads=4, kv_heads=1,
+         head_dim=192, deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
@@ -538,6 +552,20 @@ def test_dropout_is_deterministic(impl, rng):
     out3, lse3 = forward(impl.fn, q, k, v, {**arrays, "dropout_seed": jnp.asarray(seed ^ 1, jnp.uint32)}, static)
     assert not np.array_equal(np.asarray(out1), np.asarray(out3))
     np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse3))  # dropout acts after the softmax
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.deterministic and not c.dropout], ids=lambda c: c.name)
+def test_deterministic_backward_repeats_bitwise(impl, case: Case, rng):
+    """Two runs of a deterministic backward give the same bits (the cases' values are checked
+    against the reference in test_matches_reference)."""
+    case = impl.adapt(case)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    cotangents = cotangents_for(q, rng)
+    _, grads1 = forward_and_grads(impl.fn, q, k, v, arrays, static, *cotangents)
+    _, grads2 = forward_and_grads(impl.fn, q, k, v, arrays, static, *cotangents)
+    for name in grads1:
+        np.testing.assert_array_equal(np.asarray(grads1[name]), np.asarray(grads2[name]), err_msg=f"d{name}")
 
 
 def test_vmap(impl, rng):

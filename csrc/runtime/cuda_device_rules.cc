@@ -18,7 +18,8 @@ std::string BuiltFor(const std::string& built_archs) {
 
 std::string HopperUnsupportedReason(const CudaDeviceInfo& device, const std::string& built_archs) {
   if (device.major != 9 || device.minor != 0) return "needs compute capability 9.0, got " + Capability(device);
-  if (!EJK_CUDA_SM90A || !device.has_code) {
+  // The device runs the sm_90a code where the build has it (code_arch 90), else other code.
+  if (!EJK_CUDA_SM90A || !device.has_code || device.code_arch < 90) {
     return "this build holds no sm_90a code (" + BuiltFor(built_archs) + ")";
   }
   return "";

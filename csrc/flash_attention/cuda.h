@@ -12,21 +12,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flash_attention/cuda_tiles.h"
 #include "flash_attention/params.h"
 #include "runtime/cuda_device.h"
 #include "runtime/status.h"
 
 namespace ejk::flash_attention {
-
-// Tile configuration of the CUDA kernels (the framework's config for platform "cuda").
-// block_q/block_k: query rows and keys per tile; num_warps: warps per thread block
-// (0: the kernel's default for the tile); num_stages: K/V shared-memory pipeline depth.
-struct CudaConfig {
-  int block_q = 128;
-  int block_k = 64;
-  int num_warps = 0;
-  int num_stages = 2;
-};
 
 // Scratch sub-buffers start on 256-byte boundaries: bytes rounded up to the next one.
 inline size_t AlignScratch(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -49,7 +40,8 @@ struct CudaBackwardArgs {
 
 // Portable tensor-core kernels (mma.sync, ldmatrix, cp.async): bf16/f16, head dims
 // 64/96/128/192/256, every feature. Unsupported combinations return kUnimplemented with a
-// message saying why (the caller has already checked MmaSupports).
+// message saying why (the caller has already checked MmaSupports). `cfg` picks one of
+// MmaForwardTiles (any other config runs the default).
 Status MmaSupports(const ForwardParams& p, const Dims& dims);
 Status ForwardMma(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 
@@ -63,8 +55,13 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
 
 // Hopper kernels (wgmma, TMA, warp specialisation), sm_90a only; a subset of the features.
 // HopperSupports says which calls they take on `device`; the rest run on the mma.sync kernels.
+// HopperSupportsKind is the part of it that depends only on the dtype, the head dim and the
+// features (the registry asks it of a call's signature).
+Status HopperSupportsKind(DType dtype, int64_t head_dim, bool bias, bool mask, bool dropout,
+                          const CudaDeviceInfo& device);
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
-Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream);
+// `cfg` picks one of hopper::ForwardTiles for the call (any other config runs the default).
+Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 // Scratch that lets ForwardHopper skip tiles (segment ids only; 0 otherwise); shapes only.
 size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids);
 

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "flash_attention/cuda.h"
 #include "flash_attention/cuda_build_scope.h"
@@ -139,7 +140,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   EJK_FFI_ASSIGN_OR_RETURN(
       args.scratch,
       WorkspaceOf(*workspace, ForwardHopperScratchBytes(args.dims, args.p.q_segment_ids.present()), "forward"));
-  if (HopperSupports(args.p, args.dims, CurrentCudaDevice()).ok()) return ToFfiError(ForwardHopper(args, stream));
+  if (HopperSupports(args.p, args.dims, CurrentCudaDevice()).ok()) return ToFfiError(ForwardHopper(args, cfg, stream));
   return ToFfiError(ForwardMma(args, cfg, stream));
 }
 
@@ -241,28 +242,58 @@ std::string CudaUnsupportedReason(const nlohmann::json& signature) {
                                        "the flash attention backward at head_dim " + std::to_string(head_dim));
 }
 
-Config MakeConfig(int block_q, int block_k, int num_warps, int num_stages) {
-  return Config{{"block_q", block_q}, {"block_k", block_k}, {"num_threads", 0},
-                {"num_warps", num_warps}, {"num_stages", num_stages}};
+bool HasFeature(const nlohmann::json& signature, const char* feature) {
+  const auto it = signature.find("features");
+  return it != signature.end() && it->is_array() && std::find(it->begin(), it->end(), feature) != it->end();
 }
 
-// Tiles of the mma.sync kernels, measured on an H100 (notes/flash_attention.md): 32 query
-// rows per warp beat 16 by ~35%; head dims above 128 need 8 warps to hold O. The Hopper
-// kernels use their own fixed tiles.
-Config CudaHeuristic(const nlohmann::json& signature) {
-  const int64_t head_dim = signature.value("head_dim", 128);
-  return head_dim <= 128 ? MakeConfig(128, 64, 4, 2) : MakeConfig(128, 64, 8, 2);
-}
-
-// The tiles cuda_mma_forward.cuh instantiates for each head dim.
-std::vector<Config> CudaCandidates(const nlohmann::json& signature) {
-  const int64_t head_dim = signature.value("head_dim", 128);
-  if (head_dim <= 64) return {MakeConfig(128, 64, 4, 2), MakeConfig(128, 128, 4, 2), MakeConfig(64, 64, 4, 2)};
-  if (head_dim <= 96) return {MakeConfig(128, 64, 4, 2), MakeConfig(128, 64, 8, 2), MakeConfig(64, 64, 4, 2)};
-  if (head_dim <= 128) {
-    return {MakeConfig(128, 64, 4, 2), MakeConfig(128, 32, 4, 2), MakeConfig(128, 64, 8, 2), MakeConfig(64, 64, 4, 2)};
+// The tiles of the kernel that runs calls like this one on the current device, the default
+// first: the Hopper forward's where it takes them, else the mma.sync kernels'; none for calls
+// no CUDA kernel takes. The signature holds the shapes, the dtype, the
+// AttentionArgs.features() names and the window's sides.
+std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
+  const int64_t head_dim = signature.value("head_dim", int64_t{0});
+  const std::string dtype_name = signature.value("dtype", std::string());
+  DType dtype;
+  if (!UnsupportedReason(dtype_name, head_dim).empty() || !DTypeFromName(dtype_name, &dtype)) return {};
+  if (HopperSupportsKind(dtype, head_dim, HasFeature(signature, "bias"), HasFeature(signature, "attention_mask"),
+                         HasFeature(signature, "dropout"), CurrentCudaDevice())
+          .ok()) {
+    hopper::ForwardCall call;
+    call.head_dim = head_dim;
+    call.seqlen_q = signature.value("seqlen_q", int64_t{0});
+    call.seqlen_k = signature.value("seqlen_k", int64_t{0});
+    call.varlen = HasFeature(signature, "cum_seqlens");
+    call.causal = HasFeature(signature, "causal");
+    call.window_left = signature.value("window_left", int64_t{-1});
+    call.window_right = signature.value("window_right", int64_t{-1});
+    call.soft_cap = HasFeature(signature, "logits_soft_cap");
+    call.segment_ids = HasFeature(signature, "segment_ids");
+    std::vector<CudaConfig> tiles;
+    for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());
+    return tiles;
   }
-  return {MakeConfig(128, 64, 8, 2), MakeConfig(64, 64, 4, 2), MakeConfig(64, 32, 4, 2)};
+  return MmaForwardTiles(head_dim);
+}
+
+Config ConfigJson(const CudaConfig& c) {
+  return Config{{"block_q", c.block_q}, {"block_k", c.block_k}, {"num_threads", 0},
+                {"num_warps", c.num_warps}, {"num_stages", c.num_stages}};
+}
+
+// The default tile, tuned on H100 (cuda_tiles.h); an empty config for calls no CUDA kernel
+// takes (they run on XLA).
+Config CudaHeuristic(const nlohmann::json& signature) {
+  const std::vector<CudaConfig> tiles = CudaForwardTiles(signature);
+  return tiles.empty() ? Config::object() : ConfigJson(tiles.front());
+}
+
+// Every tile built for calls like this one: what autotuning times. The backward's tiles follow
+// the head dim and take no config.
+std::vector<Config> CudaCandidates(const nlohmann::json& signature) {
+  std::vector<Config> configs;
+  for (const CudaConfig& c : CudaForwardTiles(signature)) configs.push_back(ConfigJson(c));
+  return configs;
 }
 
 KernelEntry CudaEntry() {

@@ -370,7 +370,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     kp.logit_scale = f.softmax_scale * kLog2e;
   }
   kp.dk_scale = f.softmax_scale;
-  hopper::WindowSides(f, d, &kp.left, &kp.right);
+  hopper::WindowSides(hopper::ForwardCallOf(f, d), &kp.left, &kp.right);
   kp.q_segment_ids = nullptr;
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;

@@ -14,19 +14,19 @@ namespace hopper {
 
 // Compiled in cuda_hopper_forward_hdim*.cu.
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-extern template Status Launch<64>(const CudaForwardArgs&, cudaStream_t);
+extern template Status Launch<64>(const CudaForwardArgs&, const CudaConfig&, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
-extern template Status Launch<96>(const CudaForwardArgs&, cudaStream_t);
+extern template Status Launch<96>(const CudaForwardArgs&, const CudaConfig&, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
-extern template Status Launch<128>(const CudaForwardArgs&, cudaStream_t);
+extern template Status Launch<128>(const CudaForwardArgs&, const CudaConfig&, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
-extern template Status Launch<192>(const CudaForwardArgs&, cudaStream_t);
+extern template Status Launch<192>(const CudaForwardArgs&, const CudaConfig&, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-extern template Status Launch<256>(const CudaForwardArgs&, cudaStream_t);
+extern template Status Launch<256>(const CudaForwardArgs&, const CudaConfig&, cudaStream_t);
 #endif
 
 namespace {
@@ -142,7 +142,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->softcap_pre = 0.0f;
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
-  WindowSides(p, d, &kp->left, &kp->right);
+  WindowSides(ForwardCallOf(p, d), &kp->left, &kp->right);
   return Status::Ok();
 }
 
@@ -237,27 +237,6 @@ Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_
   return Status::Ok();
 }
 
-void WindowSides(const ForwardParams& p, const Dims& d, int* left, int* right) {
-  // Window sides beyond Sq + Sk hide nothing; clamping keeps the kernel's sums in int32.
-  const int64_t unbounded = d.seqlen_q + d.seqlen_k + 1;
-  *right = static_cast<int>(p.causal ? (p.window_right >= 0 ? std::min<int64_t>(p.window_right, 0) : 0)
-                                     : (p.window_right >= 0 ? std::min(p.window_right, unbounded) : unbounded));
-  *left = static_cast<int>(p.window_left >= 0 ? std::min(p.window_left, unbounded) : unbounded);
-}
-
-bool IsBand(int left, int right, int64_t seqlen_k) {
-  return 4 * (static_cast<int64_t>(left) + right + 1) <= seqlen_k;
-}
-
-bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  if (args.dims.varlen || args.dims.seqlen_q > max_seqlen_q || args.dims.seqlen_k > max_seqlen_k) return false;
-  int left, right;
-  WindowSides(args.p, args.dims, &left, &right);
-  return !IsBand(left, right, args.dims.seqlen_k);
-}
-
-bool CausalOrWindow(const ForwardParams& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
-
 StatusOr<int> CurrentDeviceSms() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -269,25 +248,37 @@ StatusOr<int> CurrentDeviceSms() {
 
 }  // namespace hopper
 
+namespace {
+Status HopperUnsupported(const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); }
+}  // namespace
+
+Status HopperSupportsKind(DType dtype, int64_t head_dim, bool bias, bool mask, bool dropout,
+                          const CudaDeviceInfo& device) {
+  if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return HopperUnsupported(why);
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return HopperUnsupported(std::string("query dtype must be bf16 or f16, got ") + DTypeName(dtype));
+  }
+  if (!hopper::HeadDimBuilt(head_dim)) {
+    return HopperUnsupported("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(head_dim));
+  }
+  if (bias) return HopperUnsupported("bias is not supported");
+  if (mask) return HopperUnsupported("mask is not supported");
+  if (dropout) return HopperUnsupported("dropout is not supported");
+  return Status::Ok();
+}
+
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
   EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(p));
-  const auto no = [](const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); };
-  if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
-  if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + p.q.ToString());
-  if (!hopper::HeadDimBuilt(dims.head_dim)) {
-    return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
-  }
-  if (p.bias.present()) return no("bias is not supported");
-  if (p.mask.present()) return no("mask is not supported");
-  if (p.dropout_prob > 0.0f) return no("dropout is not supported");
-  if (!(p.softmax_scale > 0.0f)) return no("softmax_scale must be positive");
-  if (dims.seqlen_k == 0) return no("seqlen_k must be positive");
-  if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
+  EJK_RETURN_IF_ERROR(HopperSupportsKind(p.q.dtype, dims.head_dim, p.bias.present(), p.mask.present(),
+                                         p.dropout_prob > 0.0f, device));
+  if (!(p.softmax_scale > 0.0f)) return HopperUnsupported("softmax_scale must be positive");
+  if (dims.seqlen_k == 0) return HopperUnsupported("seqlen_k must be positive");
+  if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return HopperUnsupported("sequence lengths too large");
   if (((dims.seqlen_q + 63) / 64 + dims.num_sequences + 1) * dims.num_q_heads * dims.batch >= (int64_t{1} << 31)) {
-    return no("too many query tiles (batch * num_q_heads * seqlen_q / 64 must be < 2^31)");
+    return HopperUnsupported("too many query tiles (batch * num_q_heads * seqlen_q / 64 must be < 2^31)");
   }
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out}) {
-    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return no("tensors must be 16-byte aligned");
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return HopperUnsupported("tensors must be 16-byte aligned");
   }
   return Status::Ok();
 }
@@ -296,24 +287,24 @@ size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids) {
   return segment_ids && hopper::HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
 }
 
-Status ForwardHopper(const CudaForwardArgs& args, cudaStream_t stream) {
+Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   EJK_RETURN_IF_ERROR(HopperSupports(args.p, args.dims, CurrentCudaDevice()));
   if (args.dims.batch == 0 || args.dims.seqlen_q == 0 || args.dims.num_q_heads == 0) return Status::Ok();
   switch (args.dims.head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return hopper::Launch<64>(args, stream);
+    case 64: return hopper::Launch<64>(args, cfg, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96: return hopper::Launch<96>(args, stream);
+    case 96: return hopper::Launch<96>(args, cfg, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return hopper::Launch<128>(args, stream);
+    case 128: return hopper::Launch<128>(args, cfg, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192: return hopper::Launch<192>(args, stream);
+    case 192: return hopper::Launch<192>(args, cfg, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return hopper::Launch<256>(args, stream);
+    case 256: return hopper::Launch<256>(args, cfg, stream);
 #endif
     default: return Status::Unimplemented("hopper flash attention: head_dim " + std::to_string(args.dims.head_dim));
   }

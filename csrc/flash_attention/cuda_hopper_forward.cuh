@@ -58,68 +58,13 @@
 
 namespace ejk::flash_attention::hopper {
 
-// Tile shapes per head dim. Consumers hold O (D/2 floats per thread), S (kBlockN/2) and P
-// (kBlockN/4) in registers; shared memory holds Q and kStages K/V tiles. kNarrow (causal or
-// window masks, which waste less work on the diagonal with narrower key tiles, or a soft
-// cap, which needs more registers) picks the narrower key tile where it differs.
-//   kWarpgroups: consumer warpgroups (64 query rows each), kBlockM = 64 * kWarpgroups.
-//   kMaxPairedMBlocks: causal calls with at most this many query tiles per head run on a
-//   persistent grid in pairs (ScheduledTile; needs SmemLayout::kPairedSchedule); 0: never.
-template <int kHeadDim, bool kNarrow>
-struct TileConfig;
-template <bool kNarrow>
-struct TileConfig<64, kNarrow> {
-  static constexpr int kWarpgroups = 3, kBlockN = 128, kStages = 4, kMaxPairedMBlocks = 0;
+// A tile shape of cuda_tiles.h (kTileD64, ...) as the compile-time constants the kernel and
+// its launch take.
+template <const ForwardTile& kTile>
+struct TileConstants {
+  static constexpr int kWarpgroups = kTile.warpgroups, kBlockN = kTile.block_n, kStages = kTile.stages,
+                       kMaxPairedMBlocks = kTile.max_paired_m_blocks;
 };
-template <>
-struct TileConfig<128, false> {
-  static constexpr int kWarpgroups = 2, kBlockN = 176, kStages = 2, kMaxPairedMBlocks = 0;
-};
-// Pairs measured on H100 against one block per tile (d128 causal): 32 x 512 -11%, 16 x 1024
-// -7%, 8 x 2048 -2%, 3 x 1999 -6%; 1 x 16384 +6% (1024 pairs on 132 SMs leave a tail that
-// hardware dispatch of single tiles avoids).
-template <>
-struct TileConfig<128, true> {
-  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2, kMaxPairedMBlocks = 16;
-};
-// Head dim 96 keeps Q, K and V in d128's 64-column blocks, the second one half filled (TMA
-// fills the columns past the head dim with zeros, which no product reads), so it takes d128's
-// tiles.
-template <bool kNarrow>
-struct TileConfig<96, kNarrow> : TileConfig<128, kNarrow> {};
-// Head dim 192: O takes 96 registers per thread; two stages of 112-key K and V tiles and one
-// Q slot fill 216 KB of shared memory. 96-key tiles (room for O through shared memory) measured
-// 26-30% slower on H100: ptxas serialised their wgmma.
-template <bool kNarrow>
-struct TileConfig<192, kNarrow> {
-  static constexpr int kWarpgroups = 2, kBlockN = 112, kStages = 2, kMaxPairedMBlocks = 0;
-};
-template <bool kNarrow>
-struct TileConfig<256, kNarrow> {
-  static constexpr int kWarpgroups = 2, kBlockN = 80, kStages = 2, kMaxPairedMBlocks = 0;
-};
-// Calls of at most kMaxSeqlen queries and keys (no band, no packed sequences), where a tile's
-// start-up and epilogue weigh more, take ShortConfig where one is given. Measured on H100:
-// - d64 causal, 128-row tiles in pairs against three consumer warpgroups of 192 rows:
-//   32 x 512 238 -> 209 us, 16 x 1024 317 -> 285 us, but 8 x 2048 423 -> 440 us and
-//   4 x 4096 688 -> 742 us; three warpgroups in pairs: 32 x 512 281 us. Not causal, two
-//   warpgroups were slower at every length (32 x 512: 222 -> 252 us).
-// - d128 not causal, 128-key tiles with two Q slots against 176-key tiles with one:
-//   32 x 512 169 -> 160 us, 16 x 1024 260 -> 253 us, 8 x 2048 even, 4 x 4096 +5%.
-template <int kHeadDim, bool kMasked>
-struct ShortConfig {
-  static constexpr int kMaxSeqlen = 0;  // none: TileConfig serves every call
-};
-template <>
-struct ShortConfig<64, true> {
-  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 4, kMaxPairedMBlocks = 8, kMaxSeqlen = 1024;
-};
-template <>
-struct ShortConfig<128, false> {
-  static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2, kMaxPairedMBlocks = 0, kMaxSeqlen = 1024;
-};
-template <>
-struct ShortConfig<96, false> : ShortConfig<128, false> {};
 
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, bool kSegments = false>
 struct SmemLayout {
@@ -213,7 +158,7 @@ struct KernelParams {
 
 // Host launcher, instantiated per head dim in cuda_hopper_forward_hdim*.cu.
 template <int kHeadDim>
-Status Launch(const CudaForwardArgs& args, cudaStream_t stream);
+Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 
 // Segment ids, both directions: the first and last of `count` tiles whose id range (smallest,
 // largest) meets `range`, or (-1, -1) if none does; one ballot per 32 tiles by the calling
@@ -1311,16 +1256,6 @@ void SetSection(int section, KernelParams* kp);
 // queries and block_n keys on the stream; otherwise leaves it null (no tile is skipped).
 Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp,
                             cudaStream_t stream);
-// The kernels' window sides of a call (KernelParams::left and right; the backward's too).
-void WindowSides(const ForwardParams& p, const Dims& d, int* left, int* right);
-// A sliding window much narrower than the keys: all but the first few query tiles hold the
-// same number of key tiles.
-bool IsBand(int left, int right, int64_t seqlen_k);
-// No band, no packed sequences, at most max_seqlen_q queries and max_seqlen_k keys: the calls
-// that ShortConfig serves, and the masked ones whose tiles run in pairs (ScheduledTile).
-bool ShortCall(const CudaForwardArgs& args, int64_t max_seqlen_q, int64_t max_seqlen_k);
-// A causal or sliding-window mask is on.
-bool CausalOrWindow(const ForwardParams& p);
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
 
@@ -1342,12 +1277,13 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band;
   // packed sequences too, most blocks of their bound being empty. Short causal calls go in
   // pairs of equal total length (C::kMaxPairedMBlocks).
+  const ForwardCall call = ForwardCallOf(args.p, args.dims);
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const bool band = IsBand(kp.left, kp.right, kp.seqlen_k);
   // Segment ids take the masked kernels' tiles whether or not a causal or window mask is on.
-  const bool mask_on = kMasked && (!kSegments || CausalOrWindow(args.p));
+  const bool mask_on = kMasked && (!kSegments || CausalOrWindow(call));
   kp.paired = mask_on && C::kMaxPairedMBlocks > 0 &&
-              ShortCall(args, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k);
+              ShortCall(call, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k);
   const int64_t units =
       kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
   const bool persistent = kp.paired || !mask_on || band || kp.cu_seqlens_q != nullptr;
@@ -1365,34 +1301,61 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   return Status::Ok();
 }
 
+// Launches the tile ChooseForwardTile picks for the call. The shapes built for calls of this
+// kind are ForwardTiles' (cuda_tiles.h): d64's two, d96/d128's 176-key tile for unmasked calls
+// without a soft cap besides the 128-key one, and one otherwise.
 template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap, bool kSegments>
-Status LaunchKernel(const CudaForwardArgs& args, cudaStream_t stream) {
-  using Short = ShortConfig<kHeadDim, kMasked>;
-  if constexpr (Short::kMaxSeqlen > 0 && !kSegments) {
-    if (ShortCall(args, Short::kMaxSeqlen, Short::kMaxSeqlen)) {
-      return LaunchConfig<kHeadDim, Short, kMasked, kF16, kSoftcap, false>(args, stream);
+Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  const ForwardTile tile = ChooseForwardTile(ForwardCallOf(args.p, args.dims), cfg);
+  if constexpr (kHeadDim == 64) {
+    if constexpr (!kSegments) {
+      if (tile == kTileD64Pairs) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileD64Pairs>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+      }
+    }
+    if (tile == kTileD64) {
+      return LaunchConfig<kHeadDim, TileConstants<kTileD64>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+    }
+  } else if constexpr (kHeadDim == 96 || kHeadDim == 128) {
+    if constexpr (!kMasked && !kSoftcap && !kSegments) {
+      if (tile == kTileD128Wide) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileD128Wide>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+      }
+    }
+    if (tile == kTileD128) {
+      return LaunchConfig<kHeadDim, TileConstants<kTileD128>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+    }
+  } else if constexpr (kHeadDim == 192) {
+    if (tile == kTileD192) {
+      return LaunchConfig<kHeadDim, TileConstants<kTileD192>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+    }
+  } else {
+    static_assert(kHeadDim == 256, "head dims 64, 96, 128, 192 and 256");
+    if (tile == kTileD256) {
+      return LaunchConfig<kHeadDim, TileConstants<kTileD256>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
     }
   }
-  // The soft cap keeps more values live per score: it takes the narrower key tile too.
-  return LaunchConfig<kHeadDim, TileConfig<kHeadDim, kMasked || kSoftcap>, kMasked, kF16, kSoftcap, kSegments>(args,
-                                                                                                              stream);
+  return Status::Internal("hopper flash attention: no kernel built for tile " + ToString(tile) + " at head_dim " +
+                          std::to_string(kHeadDim));
 }
 
 template <int kHeadDim, bool kMasked, bool kSoftcap, bool kSegments>
-Status LaunchDType(const CudaForwardArgs& args, cudaStream_t stream) {
-  if (args.p.q.dtype != DType::kF16) return LaunchKernel<kHeadDim, kMasked, false, kSoftcap, kSegments>(args, stream);
+Status LaunchDType(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if (args.p.q.dtype != DType::kF16) {
+    return LaunchKernel<kHeadDim, kMasked, false, kSoftcap, kSegments>(args, cfg, stream);
+  }
   if constexpr (kFloat16Built) {
-    return LaunchKernel<kHeadDim, kMasked, true, kSoftcap, kSegments>(args, stream);
+    return LaunchKernel<kHeadDim, kMasked, true, kSoftcap, kSegments>(args, cfg, stream);
   } else {
     return FeatureNotBuilt("float16");
   }
 }
 
 template <int kHeadDim, bool kMasked, bool kSegments>
-Status LaunchMasked(const CudaForwardArgs& args, cudaStream_t stream) {
-  if (args.p.logits_soft_cap <= 0.0f) return LaunchDType<kHeadDim, kMasked, false, kSegments>(args, stream);
+Status LaunchMasked(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if (args.p.logits_soft_cap <= 0.0f) return LaunchDType<kHeadDim, kMasked, false, kSegments>(args, cfg, stream);
   if constexpr (kSoftCapBuilt) {
-    return LaunchDType<kHeadDim, kMasked, true, kSegments>(args, stream);
+    return LaunchDType<kHeadDim, kMasked, true, kSegments>(args, cfg, stream);
   } else {
     return FeatureNotBuilt("logits_soft_cap");
   }
@@ -1401,21 +1364,21 @@ Status LaunchMasked(const CudaForwardArgs& args, cudaStream_t stream) {
 // Calls with segment ids (the masked kernels' tiles, every key tile masked element-wise);
 // instantiated per head dim in cuda_hopper_forward_segments_hdim*.cu.
 template <int kHeadDim>
-Status LaunchSegments(const CudaForwardArgs& args, cudaStream_t stream) {
-  return LaunchMasked<kHeadDim, true, true>(args, stream);
+Status LaunchSegments(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  return LaunchMasked<kHeadDim, true, true>(args, cfg, stream);
 }
 
 template <int kHeadDim>
-Status Launch(const CudaForwardArgs& args, cudaStream_t stream) {
+Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   if (args.p.q_segment_ids.present()) {
     if constexpr (kSegmentIdsBuilt) {
-      return LaunchSegments<kHeadDim>(args, stream);
+      return LaunchSegments<kHeadDim>(args, cfg, stream);
     } else {
       return FeatureNotBuilt("segment_ids");
     }
   }
-  return CausalOrWindow(args.p) ? LaunchMasked<kHeadDim, true, false>(args, stream)
-                                : LaunchMasked<kHeadDim, false, false>(args, stream);
+  return CausalOrWindow(ForwardCallOf(args.p, args.dims)) ? LaunchMasked<kHeadDim, true, false>(args, cfg, stream)
+                                                          : LaunchMasked<kHeadDim, false, false>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention::hopper

@@ -4,7 +4,7 @@
 namespace ejk::flash_attention::hopper {
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 // Compiled in cuda_hopper_forward_segments_hdim256.cu.
-extern template Status LaunchSegments<256>(const CudaForwardArgs& args, cudaStream_t stream);
-template Status Launch<256>(const CudaForwardArgs& args, cudaStream_t stream);
+extern template Status LaunchSegments<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+template Status Launch<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 #endif
 }  // namespace ejk::flash_attention::hopper

@@ -20,17 +20,11 @@
 // per-element feature code on interior tiles: the scale folds into the exponent's FFMA, and
 // the O rescale is skipped when no row max of the warp moved.
 //
-// Valid tile configs (block_q, block_k, num_warps, num_stages), per head dim; the first is
-// the default, taken for any other requested config (num_warps 0 and num_stages 0 match any):
-//   64:  (128, 64, 4, 2)  (128, 128, 4, 2)  (64, 64, 4, 2)
-//   96:  (128, 64, 4, 2)  (128, 64, 8, 2)   (64, 64, 4, 2)
-//   128: (128, 64, 4, 2)  (128, 32, 4, 2)   (128, 64, 8, 2)  (64, 64, 4, 2)
-//   192: (128, 64, 8, 2)  (64, 64, 4, 2)    (64, 32, 4, 2)
-//   256: (128, 64, 8, 2)  (64, 64, 4, 2)    (64, 32, 4, 2)
-// 32 query rows per warp (block_q = 32 * num_warps) halve the shared-memory traffic per
-// mma and win wherever their accumulators fit in registers (head dims up to 128). A config
-// whose shared memory exceeds the device's limit falls back to the next one that fits
-// (sm_80 and sm_86 have less shared memory per block than sm_90).
+// Tile configs (block_q, block_k, num_warps, num_stages) per head dim: those of
+// MmaForwardTiles (cuda_tiles.cc), in its order, instantiated in cuda_mma_forward_hdim*.cu;
+// the first is the default, taken for any other requested config. A config whose shared
+// memory exceeds the device's limit falls back to the next one that fits (sm_80 and sm_86
+// have less shared memory per block than sm_90).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -504,8 +498,7 @@ Status LaunchForward(const CudaForwardArgs& args, cudaStream_t stream) {
 
 template <typename Cfg>
 bool Matches(const CudaConfig& c) {
-  return c.block_q == Cfg::kBlockQ && c.block_k == Cfg::kBlockK && (c.num_warps == 0 || c.num_warps == Cfg::kWarps) &&
-         (c.num_stages == 0 || c.num_stages == Cfg::kStages);
+  return Requests(c, {Cfg::kBlockQ, Cfg::kBlockK, Cfg::kWarps, Cfg::kStages});
 }
 
 // Launches Cfg unless a config was launched already, Cfg is not wanted or does not fit.

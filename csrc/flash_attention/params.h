@@ -11,7 +11,7 @@
 namespace ejk::flash_attention {
 
 // Version of the operation's configs and cache entries; bump when a config's meaning changes.
-constexpr int kOpVersion = 2;
+constexpr int kOpVersion = 3;
 
 // Tile configuration of the CPU kernel.
 struct CpuConfig {

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.kernels.flash_attention import config_candidates, normalize
 from ejkernel.modules import flash_attention
 
 rng = np.random.default_rng()
@@ -76,4 +77,13 @@ for head_dim in (96, 128):
     q, k, v = (normal(2, 1100, 4, head_dim) for _ in range(3))
     jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True))
     calls += 1
+# The forward's other tiles, which a config names (autotuning's candidates), each on a call
+# whose default tile is another: on the Hopper kernels two consumer warpgroups at d64 (in pairs
+# or not) and three, 128-key tiles on long unmasked d96/d128 calls and 176-key on short ones.
+for head_dim, seq, causal in ((64, 300, True), (64, 1100, True), (64, 300, False), (96, 300, False),
+                              (128, 1100, False)):
+    q, k, v = (normal(2, seq, 4, head_dim) for _ in range(3))
+    for cfg in config_candidates("cuda", normalize(q, k, v, causal=causal))[1:]:
+        jax.block_until_ready(flash_attention(q, k, v, causal=causal, cfg=cfg, platform="cuda", return_lse=True))
+        calls += 1
 print("sanitize_cuda: ran", calls, "calls")

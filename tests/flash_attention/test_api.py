@@ -140,6 +140,27 @@ def test_return_lse_and_explicit_config(rng):
     assert out.shape == q.shape and lse.shape == (2, 4, 37) and lse.dtype == jnp.float32
 
 
+def test_native_signature_names_features_and_window(rng):
+    """The native heuristics and candidates see what picks a tile: shapes, dtype, features and
+    the window's sides."""
+    q, k, v = _qkv(rng, dtype=jnp.bfloat16)
+    sig = normalize(q, k, v, causal=True, sliding_window=(16, None), logits_soft_cap=5.0).signature()
+    assert sig["seqlen_q"] == 37 and sig["seqlen_k"] == 41 and sig["dtype"] == "bfloat16" and sig["head_dim"] == 32
+    assert {"causal", "sliding_window", "logits_soft_cap", "gqa"} <= set(sig["features"])
+    assert (sig["window_left"], sig["window_right"]) == (16, -1)
+    plain = normalize(q, k, v).signature()
+    assert (plain["window_left"], plain["window_right"]) == (-1, -1) and "causal" not in plain["features"]
+
+
+@pytest.mark.skipif(not _native.available(), reason="libejkernel not loaded")
+def test_op_version_is_the_librarys():
+    """Configs cached by Python and by C++ share keys: one version of the operation."""
+    from ejkernel.kernels.flash_attention import OP, OP_VERSION
+
+    versions = {e["op_version"] for e in _native.registry_entries() if e["op"] == OP}
+    assert versions == {OP_VERSION}
+
+
 def test_version_and_build_info():
     assert isinstance(ejkernel.__version__, str) and ejkernel.__version__
     info = ejkernel.build_info()

@@ -488,6 +488,92 @@ def check_against_reference(impl, case: Case, rng) -> None:
             assert_close(f"d{name}", grads[name], want[name], approx[name], summed_terms(name, q, k), allowance[name])
 
 
+# Every forward tile the CUDA kernels are built with for a kind of call (what autotuning
+# times; the backward takes no config), each against the reference. On a GPU with the Hopper
+# kernels: d64 with two consumer warpgroups (in pairs where the call is short and causal) and
+# with three, d96/d128 unmasked with 128- and 176-key tiles, short and long; elsewhere the
+# mma.sync tiles.
+TILE_CASES = [
+    Case("tiles_d64_causal_short_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=333, q_heads=4, kv_heads=2,
+         causal=True),
+    Case("tiles_d64_causal_long_soft_cap", dtype="float16", batch=1, seq_q=1300, seq_k=1300, q_heads=2,
+         kv_heads=1, causal=True, soft_cap=8.0),
+    Case("tiles_d64_plain_sinks", dtype="bfloat16", batch=1, seq_q=333, seq_k=520, q_heads=2, kv_heads=2,
+         sinks=True),
+    Case("tiles_d128_plain_short", dtype="bfloat16", batch=2, seq_q=400, seq_k=450, q_heads=2, kv_heads=1,
+         head_dim=128),
+    Case("tiles_d128_plain_long_f16", dtype="float16", batch=1, seq_q=1100, seq_k=1300, q_heads=2, kv_heads=2,
+         head_dim=128, sinks=True),
+    Case("tiles_d96_plain_varlen", dtype="bfloat16", q_heads=2, kv_heads=1, head_dim=96, varlen=VARLEN_TILES),
+]
+
+
+def _native_with_tile(platform: str, cfg, query, key, value, **kwargs):
+    from ejkernel.kernels.flash_attention import AttentionArgs, flash_attention_native
+
+    return flash_attention_native(platform, AttentionArgs(query, key, value, **kwargs), block_q=cfg.block_q,
+                                  block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: c.name)
+def test_cuda_tiles_match_reference(impl, case: Case, rng):
+    from ejkernel.kernels.flash_attention import config_candidates, normalize
+
+    if impl.name != "cuda":
+        pytest.skip("the CUDA kernels' tiles")
+    q, k, v, arrays, static = make_inputs(case, rng)
+    tiles = config_candidates("cuda", normalize(q, k, v, **arrays, **static))
+    assert tiles, case
+    for cfg in tiles:
+        print(cfg)
+        tiled = dataclasses.replace(impl, fn=functools.partial(_native_with_tile, "cuda", cfg))
+        check_against_reference(tiled, case, rng)
+
+
+def _hopper_gpu() -> bool:
+    import ejkernel
+    from ejkernel.kernels.flash_attention import native_features
+
+    return (
+        jax.default_backend() == "gpu"
+        and bool(native_features("cuda"))
+        and ejkernel.build_info().get("hopper_kernels", False)
+        and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+    )
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90 GPU and the Hopper kernels")
+def test_cuda_configs_are_the_hopper_tiles(rng):
+    """The heuristic is the forward's tile rule (tuned on H100) and autotuning times its
+    alternatives; calls the Hopper forward does not take get the mma.sync tiles."""
+    from ejkernel.kernels.flash_attention import FlashAttentionConfig, config_candidates, heuristic_config, normalize
+    from ejkernel.modules import FlashAttention
+    from ejkernel.ops import ConfigCache, ConfigSelectorChain, Executor, policy_override
+
+    def tile(block_q, block_k, num_warps, num_stages):
+        return FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+
+    def args(seq, head_dim, **kwargs):
+        x = jnp.asarray(rng.standard_normal((2, seq, 4, head_dim)), jnp.bfloat16)
+        return normalize(x, x, x, **kwargs)
+
+    wide, narrow = tile(128, 176, 12, 2), tile(128, 128, 12, 2)
+    assert config_candidates("cuda", args(4096, 128)) == [wide, narrow]
+    assert config_candidates("cuda", args(1024, 96)) == [narrow, wide]
+    assert config_candidates("cuda", args(4096, 128, causal=True)) == [narrow]
+    assert config_candidates("cuda", args(512, 64, causal=True)) == [tile(128, 128, 12, 4), tile(192, 128, 16, 4)]
+    assert heuristic_config("cuda", args(2048, 64, causal=True)) == tile(192, 128, 16, 4)
+    assert heuristic_config("cuda", args(4096, 256)) == tile(128, 80, 12, 2)
+    bias = jnp.asarray(rng.standard_normal((1, 1, 512, 512)), jnp.bfloat16)
+    assert heuristic_config("cuda", args(512, 128, bias=bias)) == tile(128, 64, 4, 2)
+
+    q = jnp.asarray(rng.standard_normal((2, 1500, 4, 128)), jnp.bfloat16)
+    tuner = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
+    with policy_override(autotune=True):
+        inv, cfg = tuner.prepare(FlashAttention(), (q, q, q), {})
+    assert inv.platform.value == "cuda" and cfg in (wide, narrow)
+
+
 def test_fully_masked_is_zero_and_finite(impl, rng):
     """Nothing visible anywhere: out 0, lse -inf, and zero (not NaN) gradients."""
     case = Case("masked", bias="B1", mask="11", sinks=False)

@@ -21,14 +21,15 @@ from ._validate import AttentionArgs, normalize
 from ._xla import flash_attention_xla
 
 OP = "flash_attention"
-OP_VERSION = 2
+OP_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttentionConfig:
     """Tile sizes. block_q/block_k: query rows and keys per tile; num_threads: native CPU
     threads (0 = all); num_warps/num_stages: CUDA warps per block and K/V pipeline depth
-    (0 = the kernel's default for the tile)."""
+    (0 = any). On CUDA a config names one of the forward's tiles for the call
+    (config_candidates); one that names none runs the default tile."""
 
     block_q: int = 64
     block_k: int = 128

@@ -63,8 +63,15 @@ class AttentionArgs:
         return used
 
     def signature(self) -> dict[str, Any]:
-        """Shapes and dtypes that configs depend on (the persistent cache key's signature)."""
-        return signature_of(self.query, self.key)
+        """What a native implementation's heuristic, candidates and support depend on: shapes,
+        dtype, the features() names and the window's sides (-1: unbounded)."""
+        left, right = self.sliding_window or (-1, -1)
+        return {
+            **signature_of(self.query, self.key),
+            "features": self.features(),
+            "window_left": left,
+            "window_right": right,
+        }
 
 
 def signature_of(query: Any, key: Any) -> dict[str, Any]:

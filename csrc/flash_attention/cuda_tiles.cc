@@ -1,0 +1,102 @@
+#include "flash_attention/cuda_tiles.h"
+
+#include <algorithm>
+
+namespace ejk::flash_attention {
+
+bool operator==(const CudaConfig& a, const CudaConfig& b) {
+  return a.block_q == b.block_q && a.block_k == b.block_k && a.num_warps == b.num_warps &&
+         a.num_stages == b.num_stages;
+}
+
+bool Requests(const CudaConfig& requested, const CudaConfig& tile) {
+  return requested.block_q == tile.block_q && requested.block_k == tile.block_k &&
+         (requested.num_warps == 0 || requested.num_warps == tile.num_warps) &&
+         (requested.num_stages == 0 || requested.num_stages == tile.num_stages);
+}
+
+// 32 query rows per warp (block_q = 32 * num_warps) halve the shared-memory traffic per mma
+// and win wherever their accumulators fit in registers (head dims up to 128; measured ~35% on
+// H100); above 128, O needs 8 warps.
+std::vector<CudaConfig> MmaForwardTiles(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return {{128, 64, 4, 2}, {128, 128, 4, 2}, {64, 64, 4, 2}};
+    case 96: return {{128, 64, 4, 2}, {128, 64, 8, 2}, {64, 64, 4, 2}};
+    case 128: return {{128, 64, 4, 2}, {128, 32, 4, 2}, {128, 64, 8, 2}, {64, 64, 4, 2}};
+    case 192:
+    case 256: return {{128, 64, 8, 2}, {64, 64, 4, 2}, {64, 32, 4, 2}};
+    default: return {};
+  }
+}
+
+namespace hopper {
+
+ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
+  ForwardCall c;
+  c.head_dim = d.head_dim;
+  c.seqlen_q = d.seqlen_q;
+  c.seqlen_k = d.seqlen_k;
+  c.varlen = d.varlen;
+  c.causal = p.causal;
+  c.window_left = p.window_left;
+  c.window_right = p.window_right;
+  c.soft_cap = p.logits_soft_cap > 0.0f;
+  c.segment_ids = p.q_segment_ids.present();
+  return c;
+}
+
+void WindowSides(const ForwardCall& c, int* left, int* right) {
+  const int64_t unbounded = c.seqlen_q + c.seqlen_k + 1;
+  *right = static_cast<int>(c.causal ? (c.window_right >= 0 ? std::min<int64_t>(c.window_right, 0) : 0)
+                                     : (c.window_right >= 0 ? std::min(c.window_right, unbounded) : unbounded));
+  *left = static_cast<int>(c.window_left >= 0 ? std::min(c.window_left, unbounded) : unbounded);
+}
+
+bool IsBand(int left, int right, int64_t seqlen_k) {
+  return 4 * (static_cast<int64_t>(left) + right + 1) <= seqlen_k;
+}
+
+bool CausalOrWindow(const ForwardCall& c) { return c.causal || c.window_left >= 0 || c.window_right >= 0; }
+
+bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  if (c.varlen || c.seqlen_q > max_seqlen_q || c.seqlen_k > max_seqlen_k) return false;
+  int left, right;
+  WindowSides(c, &left, &right);
+  return !IsBand(left, right, c.seqlen_k);
+}
+
+std::vector<ForwardTile> ForwardTiles(const ForwardCall& c) {
+  // Segment ids take the masked calls' tiles, and no alternative is built for them.
+  const bool masked = c.segment_ids || CausalOrWindow(c);
+  const bool short_call = !c.segment_ids && ShortCall(c, kShortSeqlen, kShortSeqlen);
+  switch (c.head_dim) {
+    case 64:
+      if (c.segment_ids) return {kTileD64};
+      if (masked && short_call) return {kTileD64Pairs, kTileD64};
+      return {kTileD64, kTileD64Pairs};
+    case 96:
+    case 128:
+      if (masked || c.soft_cap) return {kTileD128};
+      if (short_call) return {kTileD128, kTileD128Wide};
+      return {kTileD128Wide, kTileD128};
+    case 192: return {kTileD192};
+    case 256: return {kTileD256};
+    default: return {};
+  }
+}
+
+ForwardTile ChooseForwardTile(const ForwardCall& c, const CudaConfig& requested) {
+  const std::vector<ForwardTile> tiles = ForwardTiles(c);
+  for (const ForwardTile& t : tiles) {
+    if (Requests(requested, t.config())) return t;
+  }
+  return tiles.empty() ? ForwardTile{} : tiles.front();
+}
+
+std::string ToString(const ForwardTile& t) {
+  return std::to_string(t.block_m()) + "x" + std::to_string(t.block_n) + " (" + std::to_string(t.warpgroups) +
+         " consumer warpgroups, " + std::to_string(t.stages) + " stages)";
+}
+
+}  // namespace hopper
+}  // namespace ejk::flash_attention

@@ -1,0 +1,122 @@
+// Tile configurations of the CUDA flash attention kernels: the framework's config type for
+// platform "cuda", each kernel generation's tiles, and the rule that picks the Hopper
+// forward's tile for a call. Plain C++, compiled in every build (the rule is unit-tested
+// without a GPU); the kernels' dispatch (cuda_hopper_forward.cuh, cuda_mma_forward_hdim*.cu)
+// and the registry's heuristic and autotuning candidates (cuda_ffi.cu) read it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flash_attention/params.h"
+
+namespace ejk::flash_attention {
+
+// Tile configuration of the CUDA kernels (the framework's config for platform "cuda").
+// block_q/block_k: query rows and keys per tile; num_warps: warps per thread block;
+// num_stages: K/V shared-memory pipeline depth (0 matches any, in either).
+struct CudaConfig {
+  int block_q = 128;
+  int block_k = 64;
+  int num_warps = 0;
+  int num_stages = 2;
+};
+
+bool operator==(const CudaConfig& a, const CudaConfig& b);
+// Whether `requested` names `tile`: block_q and block_k equal, num_warps and num_stages equal
+// or 0.
+bool Requests(const CudaConfig& requested, const CudaConfig& tile);
+
+// The mma.sync kernels' tiles at this head dim (those cuda_mma_forward_hdim*.cu builds), the
+// default first; empty for a head dim they lack. A requested config that is none of them, a
+// Hopper tile say, runs the default.
+std::vector<CudaConfig> MmaForwardTiles(int64_t head_dim);
+
+namespace hopper {
+
+// A tile shape of the Hopper forward: `warpgroups` consumer warpgroups of 64 query rows (and
+// one producer warpgroup), K/V tiles of `block_n` keys, `stages` of them in flight; causal
+// calls of at most `max_paired_m_blocks` query tiles per head run on a persistent grid in
+// pairs of equal total length (0: never).
+struct ForwardTile {
+  int warpgroups, block_n, stages, max_paired_m_blocks;
+
+  constexpr int block_m() const { return 64 * warpgroups; }
+  // As the framework's config: block_q x block_k, the block's warps (producer included).
+  CudaConfig config() const { return {block_m(), block_n, 4 * (warpgroups + 1), stages}; }
+  bool operator==(const ForwardTile& o) const {
+    return warpgroups == o.warpgroups && block_n == o.block_n && stages == o.stages &&
+           max_paired_m_blocks == o.max_paired_m_blocks;
+  }
+};
+
+// The shapes the kernels are built with. Consumers hold O (D/2 floats per thread), S
+// (block_n/2) and P (block_n/4) in registers; shared memory holds Q and the K/V stages.
+// Measured on H100 (notes/flash_attention.md):
+// - d64: three consumer warpgroups keep the tensor cores fed (two were slower on every
+//   non-causal length, 32 x 512 222 -> 252 us). Causal calls of up to 1024 queries and keys
+//   take two warpgroups with their tiles in pairs: 32 x 512 238 -> 209 us, 16 x 1024
+//   317 -> 285 us, but 8 x 2048 423 -> 440 us and 4 x 4096 688 -> 742 us (three warpgroups
+//   in pairs: 32 x 512 281 us).
+// - d128, and d96, which keeps Q, K and V in d128's 64-column blocks (TMA fills the columns
+//   past the head dim with zeros, which no product reads): unmasked calls take 176-key tiles
+//   with one Q slot; causal and window masks waste less on the diagonal with 128-key tiles,
+//   whose two Q slots also let the next tile's Q load early; the soft cap needs their
+//   registers; and unmasked calls of up to 1024 queries and keys run faster on them
+//   (32 x 512 169 -> 160 us, 16 x 1024 260 -> 253 us, 8 x 2048 even, 4 x 4096 +5%).
+//   Causal pairs on them: 32 x 512 -11%, 16 x 1024
+//   -7%, 8 x 2048 -2%, 3 x 1999 -6% against one block per tile, but 1 x 16384 +6% (1024
+//   pairs on 132 SMs leave a tail that hardware dispatch of single tiles avoids): up to 16
+//   query tiles. Pairs need two Q slots and two consumer warpgroups (SmemLayout).
+// - d192: O takes 96 registers per thread; two stages of 112-key tiles and one Q slot fill
+//   216 KB. 96-key tiles (room for O through shared memory) measured 26-30% slower (ptxas
+//   serialised their wgmma).
+// - d256: 80-key tiles, one Q slot.
+inline constexpr ForwardTile kTileD64 = {3, 128, 4, 0};
+inline constexpr ForwardTile kTileD64Pairs = {2, 128, 4, 8};
+inline constexpr ForwardTile kTileD128Wide = {2, 176, 2, 0};
+inline constexpr ForwardTile kTileD128 = {2, 128, 2, 16};
+inline constexpr ForwardTile kTileD192 = {2, 112, 2, 0};
+inline constexpr ForwardTile kTileD256 = {2, 80, 2, 0};
+// Calls of at most this many queries and keys (no band, no packed sequences) are short: their
+// tiles' start-up and epilogue weigh more.
+inline constexpr int64_t kShortSeqlen = 1024;
+
+// A call as the Hopper forward's tile choice and masks see it: from its params (the dispatch),
+// or from the registry signature (the heuristic and the autotuning candidates).
+struct ForwardCall {
+  int64_t head_dim = 0, seqlen_q = 0, seqlen_k = 0;  // packed lengths for packed sequences
+  bool varlen = false;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // < 0: unbounded side
+  bool soft_cap = false;
+  bool segment_ids = false;
+};
+
+ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
+
+// The visible keys' sides for the kernels: key j is visible to query i iff
+// i + offset - left <= j < i + offset + right + 1. Sides beyond Sq + Sk hide nothing and are
+// clamped, which keeps the kernels' sums in int32.
+void WindowSides(const ForwardCall& c, int* left, int* right);
+// A sliding window much narrower than the keys: all but the first few query tiles hold the
+// same number of key tiles.
+bool IsBand(int left, int right, int64_t seqlen_k);
+// A causal or sliding-window mask is on.
+bool CausalOrWindow(const ForwardCall& c);
+// No band, no packed sequences, at most max_seqlen_q queries and max_seqlen_k keys.
+bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k);
+
+// The tiles the Hopper forward can run this call with, the default (the rule above, tuned on
+// H100) first, then the alternatives built and tested for calls of its kind: d64 without
+// segment ids, two warpgroups or three; d96/d128 without masks, soft cap or segment ids,
+// 128-key tiles or 176. Empty for a head dim without Hopper kernels.
+std::vector<ForwardTile> ForwardTiles(const ForwardCall& c);
+// The first of ForwardTiles(c) that `requested` names (Requests), else the default.
+ForwardTile ChooseForwardTile(const ForwardCall& c, const CudaConfig& requested);
+
+std::string ToString(const ForwardTile& t);
+
+}  // namespace hopper
+}  // namespace ejk::flash_attention

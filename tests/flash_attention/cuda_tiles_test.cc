@@ -1,0 +1,185 @@
+// The CUDA kernels' tile configurations (cuda_tiles.h): the Hopper forward's rule, tuned on
+// H100, for the calls its measurements were taken on, the alternatives offered for
+// autotuning, and how a requested config picks a tile. Plain C++: runs without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flash_attention/cuda_tiles.h"
+#include "flash_attention/params.h"
+#include "runtime/tensor.h"
+
+namespace ejk::flash_attention {
+namespace {
+
+using hopper::ForwardCall;
+using hopper::ForwardTile;
+using hopper::ForwardTiles;
+
+ForwardCall Call(int64_t head_dim, int64_t seqlen_q, int64_t seqlen_k) {
+  ForwardCall c;
+  c.head_dim = head_dim;
+  c.seqlen_q = seqlen_q;
+  c.seqlen_k = seqlen_k;
+  return c;
+}
+
+ForwardCall Causal(ForwardCall c) {
+  c.causal = true;
+  return c;
+}
+
+ForwardCall Window(ForwardCall c, int64_t left, int64_t right) {
+  c.window_left = left;
+  c.window_right = right;
+  return c;
+}
+
+using Tiles = std::vector<ForwardTile>;
+
+TEST(HopperForwardTiles, D64CausalShortCallsRunInPairsOfTwoWarpgroups) {
+  EXPECT_EQ(ForwardTiles(Causal(Call(64, 512, 512))), (Tiles{hopper::kTileD64Pairs, hopper::kTileD64}));
+  EXPECT_EQ(ForwardTiles(Causal(Call(64, 1024, 1024))), (Tiles{hopper::kTileD64Pairs, hopper::kTileD64}));
+  // Longer, or a band, or packed: three warpgroups first.
+  EXPECT_EQ(ForwardTiles(Causal(Call(64, 2048, 2048))), (Tiles{hopper::kTileD64, hopper::kTileD64Pairs}));
+  EXPECT_EQ(ForwardTiles(Causal(Call(64, 512, 1025))), (Tiles{hopper::kTileD64, hopper::kTileD64Pairs}));
+  EXPECT_EQ(ForwardTiles(Window(Call(64, 1024, 1024), 100, 0)), (Tiles{hopper::kTileD64, hopper::kTileD64Pairs}));
+  ForwardCall packed = Causal(Call(64, 512, 512));
+  packed.varlen = true;
+  EXPECT_EQ(ForwardTiles(packed), (Tiles{hopper::kTileD64, hopper::kTileD64Pairs}));
+}
+
+TEST(HopperForwardTiles, D64UnmaskedTakesThreeWarpgroups) {
+  EXPECT_EQ(ForwardTiles(Call(64, 512, 512)), (Tiles{hopper::kTileD64, hopper::kTileD64Pairs}));
+  EXPECT_EQ(ForwardTiles(Call(64, 4096, 4096)), (Tiles{hopper::kTileD64, hopper::kTileD64Pairs}));
+}
+
+TEST(HopperForwardTiles, D128UnmaskedShortCallsTake128KeyTiles) {
+  for (int64_t head_dim : {96, 128}) {
+    EXPECT_EQ(ForwardTiles(Call(head_dim, 512, 512)), (Tiles{hopper::kTileD128, hopper::kTileD128Wide}));
+    EXPECT_EQ(ForwardTiles(Call(head_dim, 1024, 1000)), (Tiles{hopper::kTileD128, hopper::kTileD128Wide}));
+    EXPECT_EQ(ForwardTiles(Call(head_dim, 4096, 4096)), (Tiles{hopper::kTileD128Wide, hopper::kTileD128}));
+    EXPECT_EQ(ForwardTiles(Call(head_dim, 512, 2048)), (Tiles{hopper::kTileD128Wide, hopper::kTileD128}));
+    ForwardCall packed = Call(head_dim, 512, 512);
+    packed.varlen = true;
+    EXPECT_EQ(ForwardTiles(packed), (Tiles{hopper::kTileD128Wide, hopper::kTileD128}));
+  }
+}
+
+TEST(HopperForwardTiles, D128MasksSoftCapAndSegmentIdsTake128KeyTilesOnly) {
+  const Tiles narrow = {hopper::kTileD128};
+  EXPECT_EQ(ForwardTiles(Causal(Call(128, 512, 512))), narrow);
+  EXPECT_EQ(ForwardTiles(Causal(Call(128, 16384, 16384))), narrow);
+  EXPECT_EQ(ForwardTiles(Window(Call(128, 16384, 16384), 1024, 0)), narrow);
+  EXPECT_EQ(ForwardTiles(Window(Call(96, 4096, 4096), -1, 7)), narrow);  // one bounded side masks too
+  ForwardCall capped = Call(128, 4096, 4096);
+  capped.soft_cap = true;
+  EXPECT_EQ(ForwardTiles(capped), narrow);
+  ForwardCall segments = Call(128, 4096, 4096);
+  segments.segment_ids = true;
+  EXPECT_EQ(ForwardTiles(segments), narrow);
+  segments.head_dim = 64;
+  EXPECT_EQ(ForwardTiles(segments), (Tiles{hopper::kTileD64}));
+}
+
+TEST(HopperForwardTiles, LargeHeadDimsHaveOneTileAndOthersNone) {
+  EXPECT_EQ(ForwardTiles(Causal(Call(192, 512, 512))), (Tiles{hopper::kTileD192}));
+  EXPECT_EQ(ForwardTiles(Call(192, 4096, 4096)), (Tiles{hopper::kTileD192}));
+  EXPECT_EQ(ForwardTiles(Call(256, 4096, 4096)), (Tiles{hopper::kTileD256}));
+  EXPECT_TRUE(ForwardTiles(Call(80, 4096, 4096)).empty());
+  EXPECT_TRUE(ForwardTiles(Call(32, 512, 512)).empty());
+}
+
+TEST(HopperForwardTiles, ConfigNamesTheTile) {
+  EXPECT_EQ(hopper::kTileD64.config(), (CudaConfig{192, 128, 16, 4}));
+  EXPECT_EQ(hopper::kTileD64Pairs.config(), (CudaConfig{128, 128, 12, 4}));
+  EXPECT_EQ(hopper::kTileD128Wide.config(), (CudaConfig{128, 176, 12, 2}));
+  EXPECT_EQ(hopper::kTileD128.config(), (CudaConfig{128, 128, 12, 2}));
+  EXPECT_EQ(hopper::kTileD192.config(), (CudaConfig{128, 112, 12, 2}));
+  EXPECT_EQ(hopper::kTileD256.config(), (CudaConfig{128, 80, 12, 2}));
+  EXPECT_EQ(hopper::ToString(hopper::kTileD128Wide), "128x176 (2 consumer warpgroups, 2 stages)");
+}
+
+TEST(HopperForwardTiles, ChooseTakesTheRequestedAlternativeOrTheDefault) {
+  const ForwardCall long_plain = Call(128, 4096, 4096);
+  EXPECT_EQ(hopper::ChooseForwardTile(long_plain, hopper::kTileD128.config()), hopper::kTileD128);
+  EXPECT_EQ(hopper::ChooseForwardTile(long_plain, {128, 128, 0, 0}), hopper::kTileD128);  // 0 matches any
+  EXPECT_EQ(hopper::ChooseForwardTile(long_plain, {128, 128, 12, 3}), hopper::kTileD128Wide);  // not built
+  EXPECT_EQ(hopper::ChooseForwardTile(long_plain, {128, 64, 4, 2}), hopper::kTileD128Wide);  // an mma.sync tile
+  EXPECT_EQ(hopper::ChooseForwardTile(long_plain, CudaConfig{}), hopper::kTileD128Wide);
+  // A tile the call's kind has no kernel for is not taken.
+  EXPECT_EQ(hopper::ChooseForwardTile(Causal(long_plain), hopper::kTileD128Wide.config()), hopper::kTileD128);
+  EXPECT_EQ(hopper::ChooseForwardTile(Causal(Call(64, 512, 512)), hopper::kTileD64.config()), hopper::kTileD64);
+  EXPECT_EQ(hopper::ChooseForwardTile(Causal(Call(64, 512, 512)), {}), hopper::kTileD64Pairs);
+}
+
+TEST(CudaTiles, NoConfigNamesTilesOfBothGenerations) {
+  // A config tuned for one kernel generation (a GPU with or without the Hopper kernels) runs
+  // the other's default rather than some unrelated tile of it.
+  const Tiles hopper_tiles = {hopper::kTileD64,  hopper::kTileD64Pairs, hopper::kTileD128Wide,
+                              hopper::kTileD128, hopper::kTileD192,     hopper::kTileD256};
+  for (int64_t head_dim : {64, 96, 128, 192, 256}) {
+    const std::vector<CudaConfig> mma = MmaForwardTiles(head_dim);
+    ASSERT_FALSE(mma.empty()) << head_dim;
+    for (const CudaConfig& m : mma) {
+      for (const ForwardTile& h : hopper_tiles) {
+        EXPECT_FALSE(Requests(m, h.config()) || Requests(h.config(), m))
+            << head_dim << ": " << m.block_q << "x" << m.block_k << " and " << hopper::ToString(h);
+      }
+    }
+  }
+  EXPECT_EQ(MmaForwardTiles(128).front(), (CudaConfig{128, 64, 4, 2}));
+  EXPECT_EQ(MmaForwardTiles(256).front(), (CudaConfig{128, 64, 8, 2}));
+  EXPECT_TRUE(MmaForwardTiles(80).empty());
+}
+
+TEST(HopperForwardCall, FromParams) {
+  ForwardParams p;
+  p.causal = true;
+  p.window_left = 64;
+  p.logits_soft_cap = 30.0f;
+  int32_t ids[4] = {0, 0, 1, 1};
+  p.q_segment_ids = TensorView::Contiguous(ids, DType::kI32, {1, 4});
+  Dims d{};
+  d.head_dim = 96;
+  d.seqlen_q = 300;
+  d.seqlen_k = 400;
+  d.varlen = false;
+  const ForwardCall c = hopper::ForwardCallOf(p, d);
+  EXPECT_EQ(c.head_dim, 96);
+  EXPECT_EQ(c.seqlen_q, 300);
+  EXPECT_EQ(c.seqlen_k, 400);
+  EXPECT_TRUE(c.causal && c.soft_cap && c.segment_ids);
+  EXPECT_FALSE(c.varlen);
+  EXPECT_EQ(c.window_left, 64);
+  EXPECT_EQ(c.window_right, -1);
+  p.logits_soft_cap = 0.0f;
+  p.q_segment_ids = TensorView();
+  EXPECT_FALSE(hopper::ForwardCallOf(p, d).soft_cap || hopper::ForwardCallOf(p, d).segment_ids);
+}
+
+TEST(HopperForwardCall, WindowSidesAndBands) {
+  int left, right;
+  hopper::WindowSides(Causal(Call(128, 100, 150)), &left, &right);
+  EXPECT_EQ(left, 251);  // unbounded: Sq + Sk + 1
+  EXPECT_EQ(right, 0);
+  hopper::WindowSides(Causal(Window(Call(128, 100, 150), 10, 5)), &left, &right);
+  EXPECT_EQ(left, 10);
+  EXPECT_EQ(right, 0);  // causal hides what a right side would show
+  hopper::WindowSides(Window(Call(128, 100, 150), 1000000, 5), &left, &right);
+  EXPECT_EQ(left, 251);
+  EXPECT_EQ(right, 5);
+  EXPECT_TRUE(hopper::IsBand(1024, 0, 16384));
+  EXPECT_TRUE(hopper::IsBand(255, 0, 1024));  // 4 x 256 keys fit
+  EXPECT_FALSE(hopper::IsBand(256, 0, 1024));
+  EXPECT_TRUE(hopper::CausalOrWindow(Window(Call(64, 8, 8), -1, 0)));
+  EXPECT_FALSE(hopper::CausalOrWindow(Call(64, 8, 8)));
+  EXPECT_TRUE(hopper::ShortCall(Causal(Call(64, 1024, 1024)), 1024, 1024));
+  EXPECT_FALSE(hopper::ShortCall(Causal(Call(64, 1024, 1025)), 1024, 1024));
+  EXPECT_FALSE(hopper::ShortCall(Window(Call(64, 1024, 1024), 255, 0), 1024, 1024));
+}
+
+}  // namespace
+}  // namespace ejk::flash_attention

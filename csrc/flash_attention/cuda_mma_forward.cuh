@@ -20,8 +20,8 @@
 // per-element feature code on interior tiles: the scale folds into the exponent's FFMA, and
 // the O rescale is skipped when no row max of the warp moved.
 //
-// Tile configs (block_q, block_k, num_warps, num_stages) per head dim: those of
-// MmaForwardTiles (cuda_tiles.cc), in its order, instantiated in cuda_mma_forward_hdim*.cu;
+// Tile configs (block_q, block_k, num_warps, num_stages) per head dim: the lists of
+// cuda_tiles.h (kMmaTilesD64, ...), instantiated in cuda_mma_forward_hdim*.cu (DispatchTiles);
 // the first is the default, taken for any other requested config. A config whose shared
 // memory exceeds the device's limit falls back to the next one that fits (sm_80 and sm_86
 // have less shared memory per block than sm_90).
@@ -31,10 +31,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <atomic>
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "flash_attention/cuda.h"
 #include "flash_attention/cuda_build_scope.h"
@@ -538,6 +540,18 @@ Status DispatchDType(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
   } else {
     return FeatureNotBuilt("float16");
   }
+}
+
+// The kernels of a tile list of cuda_tiles.h at kHeadDim, in its order.
+template <int kHeadDim, size_t kCount, const std::array<CudaConfig, kCount>& kTiles, size_t... kIndex>
+Status DispatchTiles(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream,
+                     std::index_sequence<kIndex...>) {
+  return DispatchDType<TileConfig<kHeadDim, kTiles[kIndex].block_q, kTiles[kIndex].block_k, kTiles[kIndex].num_warps,
+                                  kTiles[kIndex].num_stages>...>(args, cfg, stream);
+}
+template <int kHeadDim, size_t kCount, const std::array<CudaConfig, kCount>& kTiles>
+Status DispatchTiles(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  return DispatchTiles<kHeadDim, kCount, kTiles>(args, cfg, stream, std::make_index_sequence<kCount>());
 }
 
 }  // namespace mma

@@ -1,4 +1,4 @@
-// Flash attention forward, mma.sync kernels for head dim 128 (tile configs: cuda_mma_forward.cuh).
+// Flash attention forward, mma.sync kernels for head dim 128 (tiles: kMmaTilesD128, cuda_tiles.h).
 #include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(128)
@@ -9,8 +9,7 @@ namespace ejk::flash_attention {
 
 Status ForwardMmaHeadDim128(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   using namespace mma;
-  return DispatchDType<TileConfig<128, 128, 64, 4, 2>, TileConfig<128, 128, 32, 4, 2>,
-                       TileConfig<128, 128, 64, 8, 2>, TileConfig<128, 64, 64, 4, 2>>(args, cfg, stream);
+  return DispatchTiles<128, kMmaTilesD128.size(), kMmaTilesD128>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention

@@ -1,4 +1,4 @@
-// Flash attention forward, mma.sync kernels for head dim 192 (tile configs: cuda_mma_forward.cuh).
+// Flash attention forward, mma.sync kernels for head dim 192 (tiles: kMmaTilesD192, cuda_tiles.h).
 #include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(192)
@@ -9,8 +9,7 @@ namespace ejk::flash_attention {
 
 Status ForwardMmaHeadDim192(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   using namespace mma;
-  return DispatchDType<TileConfig<192, 128, 64, 8, 2>, TileConfig<192, 64, 64, 4, 2>,
-                       TileConfig<192, 64, 32, 4, 2>>(args, cfg, stream);
+  return DispatchTiles<192, kMmaTilesD192.size(), kMmaTilesD192>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention

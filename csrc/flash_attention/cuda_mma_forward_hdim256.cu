@@ -1,4 +1,4 @@
-// Flash attention forward, mma.sync kernels for head dim 256 (tile configs: cuda_mma_forward.cuh).
+// Flash attention forward, mma.sync kernels for head dim 256 (tiles: kMmaTilesD256, cuda_tiles.h).
 #include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(256)
@@ -9,8 +9,7 @@ namespace ejk::flash_attention {
 
 Status ForwardMmaHeadDim256(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   using namespace mma;
-  return DispatchDType<TileConfig<256, 128, 64, 8, 2>, TileConfig<256, 64, 64, 4, 2>,
-                       TileConfig<256, 64, 32, 4, 2>>(args, cfg, stream);
+  return DispatchTiles<256, kMmaTilesD256.size(), kMmaTilesD256>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention

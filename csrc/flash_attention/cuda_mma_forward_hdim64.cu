@@ -1,4 +1,4 @@
-// Flash attention forward, mma.sync kernels for head dim 64 (tile configs: cuda_mma_forward.cuh).
+// Flash attention forward, mma.sync kernels for head dim 64 (tiles: kMmaTilesD64, cuda_tiles.h).
 #include "flash_attention/cuda_build_scope.h"
 
 #if EJK_FA_HEAD_DIM_ENABLED(64)
@@ -9,8 +9,7 @@ namespace ejk::flash_attention {
 
 Status ForwardMmaHeadDim64(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   using namespace mma;
-  return DispatchDType<TileConfig<64, 128, 64, 4, 2>, TileConfig<64, 128, 128, 4, 2>,
-                       TileConfig<64, 64, 64, 4, 2>>(args, cfg, stream);
+  return DispatchTiles<64, kMmaTilesD64.size(), kMmaTilesD64>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention

@@ -15,16 +15,14 @@ bool Requests(const CudaConfig& requested, const CudaConfig& tile) {
          (requested.num_stages == 0 || requested.num_stages == tile.num_stages);
 }
 
-// 32 query rows per warp (block_q = 32 * num_warps) halve the shared-memory traffic per mma
-// and win wherever their accumulators fit in registers (head dims up to 128; measured ~35% on
-// H100); above 128, O needs 8 warps.
 std::vector<CudaConfig> MmaForwardTiles(int64_t head_dim) {
+  const auto list = [](const auto& tiles) { return std::vector<CudaConfig>(tiles.begin(), tiles.end()); };
   switch (head_dim) {
-    case 64: return {{128, 64, 4, 2}, {128, 128, 4, 2}, {64, 64, 4, 2}};
-    case 96: return {{128, 64, 4, 2}, {128, 64, 8, 2}, {64, 64, 4, 2}};
-    case 128: return {{128, 64, 4, 2}, {128, 32, 4, 2}, {128, 64, 8, 2}, {64, 64, 4, 2}};
-    case 192:
-    case 256: return {{128, 64, 8, 2}, {64, 64, 4, 2}, {64, 32, 4, 2}};
+    case 64: return list(kMmaTilesD64);
+    case 96: return list(kMmaTilesD96);
+    case 128: return list(kMmaTilesD128);
+    case 192: return list(kMmaTilesD192);
+    case 256: return list(kMmaTilesD256);
     default: return {};
   }
 }

@@ -5,6 +5,7 @@
 // and the registry's heuristic and autotuning candidates (cuda_ffi.cu) read it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,9 +29,19 @@ bool operator==(const CudaConfig& a, const CudaConfig& b);
 // or 0.
 bool Requests(const CudaConfig& requested, const CudaConfig& tile);
 
-// The mma.sync kernels' tiles at this head dim (those cuda_mma_forward_hdim*.cu builds), the
-// default first; empty for a head dim they lack. A requested config that is none of them, a
-// Hopper tile say, runs the default.
+// The mma.sync kernels' tiles per head dim, the default first: cuda_mma_forward_hdim*.cu
+// instantiates each list (DispatchTiles). 32 query rows per warp (block_q = 32 * num_warps)
+// halve the shared-memory traffic per mma and win wherever their accumulators fit in
+// registers (head dims up to 128; measured ~35% on H100); above 128, O needs 8 warps.
+inline constexpr std::array<CudaConfig, 3> kMmaTilesD64 = {{{128, 64, 4, 2}, {128, 128, 4, 2}, {64, 64, 4, 2}}};
+inline constexpr std::array<CudaConfig, 3> kMmaTilesD96 = {{{128, 64, 4, 2}, {128, 64, 8, 2}, {64, 64, 4, 2}}};
+inline constexpr std::array<CudaConfig, 4> kMmaTilesD128 = {
+    {{128, 64, 4, 2}, {128, 32, 4, 2}, {128, 64, 8, 2}, {64, 64, 4, 2}}};
+inline constexpr std::array<CudaConfig, 3> kMmaTilesD192 = {{{128, 64, 8, 2}, {64, 64, 4, 2}, {64, 32, 4, 2}}};
+inline constexpr std::array<CudaConfig, 3> kMmaTilesD256 = kMmaTilesD192;
+
+// The list above for this head dim; empty for a head dim the kernels lack. A requested config
+// that is none of them, a Hopper tile say, runs the default.
 std::vector<CudaConfig> MmaForwardTiles(int64_t head_dim);
 
 namespace hopper {

@@ -47,6 +47,7 @@ class Case:
     window: int = -1  # left window (with causal), -1: none
     varlen: bool = False  # pack `batch` sequences of random lengths into one row
     segments: int = 0  # segment ids: this many documents of random lengths in each row
+    deterministic: bool = False  # the backward's bit-reproducible mode
 
     @property
     def num_kv_heads(self) -> int:
@@ -123,7 +124,7 @@ def _segment_ids(case: Case, lengths) -> jax.Array:
 
 
 def _ours(case: Case, lengths) -> Callable:
-    kw: dict[str, Any] = dict(causal=case.causal, platform="cuda")
+    kw: dict[str, Any] = dict(causal=case.causal, deterministic=case.deterministic, platform="cuda")
     if case.window >= 0:
         kw["sliding_window"] = (case.window, 0)
     if case.segments:

@@ -307,7 +307,6 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present()) return no("bias is not supported");
   if (f.mask.present()) return no("mask is not supported");
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");
-  if (p.deterministic && dims.varlen) return no("deterministic mode is not supported with packed sequences");
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");

@@ -184,9 +184,9 @@ struct KernelParams {
   const int* q_segment_ids;
   const int2* q_tile_segments;
   const int* kv_segment_ids;
-  // Deterministic mode (never with packed sequences), else null: per query tile and consumer
-  // warpgroup, [B, Hq, num_m_blocks, 2], how many key blocks have added their dQ (zeroed
-  // before the launch). See "Deterministic dQ" in the kernel.
+  // Deterministic mode, else null: per query tile and consumer warpgroup, [B, Hq,
+  // num_m_blocks, 2], how many key blocks have added their dQ (zeroed before the launch). See
+  // "Deterministic dQ" in the kernel.
   int* dq_turns;
 };
 
@@ -310,6 +310,56 @@ __device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batc
   m_count = meeting.x < 0 ? 0 : meeting.y - meeting.x + 1;
 }
 
+// The query tiles [lo, lo + count) of the batch row that key block nb of a sequence (queries
+// q_begin + [0, sq), sk keys, window sides left and right) is visible to: those holding
+// q_begin + [q_lo, q_hi). Both ends grow with nb, and only a first run of blocks (keys before
+// every query's window) or a sequence without queries has count 0.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ void QueryTilesOf(int nb, int q_begin, int sq, int sk, int left, int right, int& lo,
+                                             int& count) {
+  const int offset = sk - sq;
+  const int first_key = nb * kBlockN;
+  const int k_last = min(first_key + kBlockN, sk) - 1;
+  const int q_lo = q_begin + max(0, first_key - offset - right);
+  const int q_hi = q_begin + min(sq, k_last - offset + left + 1);
+  lo = q_lo / kBlockM;
+  count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - lo : 0;
+}
+
+// The first of a sequence's key blocks whose query tiles (lo, count) satisfy `holds`, which
+// then holds for every later block (a bisection); the block count if none.
+template <int kBlockM, int kBlockN, typename Holds>
+__device__ __forceinline__ int FirstBlockWhere(int q_begin, int sq, int sk, int left, int right, Holds holds) {
+  int a = 0, b = (sk + kBlockN - 1) / kBlockN;
+  while (a < b) {
+    const int mid = (a + b) / 2;
+    int lo, count;
+    QueryTilesOf<kBlockM, kBlockN>(mid, q_begin, sq, sk, left, right, lo, count);
+    if (holds(lo, count)) {
+      b = mid;
+    } else {
+      a = mid + 1;
+    }
+  }
+  return a;
+}
+
+// How many of a sequence's key blocks come before the first whose query tiles start after
+// tile m.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int BlocksStartingBy(int m, int q_begin, int sq, int sk, int left, int right) {
+  return FirstBlockWhere<kBlockM, kBlockN>(q_begin, sq, sk, left, right, [m](int lo, int) { return lo > m; });
+}
+
+// How many of a sequence's key blocks see query tile m: those from the first whose tiles end
+// after m to the last whose tiles start by m (both ends grow with the block).
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int BlocksSeeing(int m, int q_begin, int sq, int sk, int left, int right) {
+  const int first = FirstBlockWhere<kBlockM, kBlockN>(q_begin, sq, sk, left, right,
+                                                      [m](int lo, int count) { return count > 0 && lo + count > m; });
+  return max(0, BlocksStartingBy<kBlockM, kBlockN>(m, q_begin, sq, sk, left, right) - first);
+}
+
 __device__ __forceinline__ int LoadAcquire(const int* addr) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
@@ -378,32 +428,23 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // The block's sequence: queries [q_begin, q_begin + sq) and keys [k_begin, k_begin + sk) of
   // the batch row. Packed sequences: n_block is in FindSequence's numbering; blocks past the
   // keys of their sequence exit.
-  int q_begin = 0, k_begin = 0, sq = p.seqlen_q, sk = p.seqlen_k;
+  int seq = 0, q_begin = 0, k_begin = 0, sq = p.seqlen_q, sk = p.seqlen_k;
   if (p.cu_seqlens_k != nullptr) {
-    const int n = FindSequence<kBlockN>(p, n_block, threadIdx.x % 32);
-    k_begin = Clamp(p.cu_seqlens_k[n], 0, p.seqlen_k);
-    sk = Clamp(p.cu_seqlens_k[n + 1], k_begin, p.seqlen_k) - k_begin;
-    q_begin = Clamp(p.cu_seqlens_q[n], 0, p.seqlen_q);
-    sq = Clamp(p.cu_seqlens_q[n + 1], q_begin, p.seqlen_q) - q_begin;
-    n_block -= k_begin / kBlockN + n;
+    seq = FindSequence<kBlockN>(p, n_block, threadIdx.x % 32);
+    k_begin = Clamp(p.cu_seqlens_k[seq], 0, p.seqlen_k);
+    sk = Clamp(p.cu_seqlens_k[seq + 1], k_begin, p.seqlen_k) - k_begin;
+    q_begin = Clamp(p.cu_seqlens_q[seq], 0, p.seqlen_q);
+    sq = Clamp(p.cu_seqlens_q[seq + 1], q_begin, p.seqlen_q) - q_begin;
+    n_block -= k_begin / kBlockN + seq;
     if (n_block < 0 || n_block * kBlockN >= sk) return;
   }
   const int n0 = n_block * kBlockN;  // keys and queries from here on are local to the sequence
   const int offset = sk - sq;
-  // The query tiles [lo, lo + count) that key block nb's keys are visible to: those holding
-  // [q_lo, q_hi) of the sequence, q_begin + [q_lo, q_hi) of the batch row. Query tiles are the
-  // batch row's kBlockM-row tiles, those of the dQ accumulator, so with packed sequences a
-  // tile may hold rows of the neighbours. Both ends grow with nb.
-  const auto query_tiles = [&](int nb, int& lo, int& count) {
-    const int first_key = nb * kBlockN;
-    const int k_last = min(first_key + kBlockN, sk) - 1;
-    const int q_lo = q_begin + max(0, first_key - offset - p.right);
-    const int q_hi = q_begin + min(sq, k_last - offset + p.left + 1);
-    lo = q_lo / kBlockM;
-    count = q_hi > q_lo ? (q_hi + kBlockM - 1) / kBlockM - lo : 0;
-  };
+  // The query tiles the block's keys are visible to. Query tiles are the batch row's
+  // kBlockM-row tiles, those of the dQ accumulator, so with packed sequences a tile may hold
+  // rows of the neighbours.
   int m_lo, m_count;
-  query_tiles(n_block, m_lo, m_count);
+  QueryTilesOf<kBlockM, kBlockN>(n_block, q_begin, sq, sk, p.left, p.right, m_lo, m_count);
   // (Deterministic mode visits every tile of the range: see "Deterministic dQ".)
   if constexpr (kSegments && !kDeterministic) {
     NarrowToSegments<kBlockN>(p, batch, n0, sk, threadIdx.x % 32, m_lo, m_count);
@@ -470,29 +511,40 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // only for blocks dispatched before it (running or done: no deadlock); under
       // causal-like masks block nb reaches each tile after block nb + 1 did and never waits,
       // without masks it trails it by a tile. The block's turn at tile m is the number of
-      // blocks after it that see m: they are contiguous, up to the last block whose tiles
-      // start at or before m (found by bisection; this mode does not narrow the tiles to
-      // segments). The consumers' reductions reach L2 before the count moves on: they arrive
-      // on a barrier that this warp waits for before its release.
+      // blocks after it that see m (this mode does not narrow the tiles to segments): of its
+      // own sequence, those up to the last whose tiles start by m; with packed sequences
+      // also every block of the later sequences that reach into m, which this warp's lanes
+      // count a sequence each. That count relies on non-decreasing cu_seqlens (from which
+      // each block number names one key block); where they are not, the blocks do not wait
+      // for turns, so malformed offsets give unordered sums rather than a hang. The
+      // consumers' reductions reach L2 before the count moves on: they arrive on a barrier
+      // that this warp waits for before its release.
       const int served = warp - 1;
+      bool ordered = true;
+      for (int n = lane; n < p.num_sequences; n += 32) {
+        ordered &= p.cu_seqlens_q[n] <= p.cu_seqlens_q[n + 1] && p.cu_seqlens_k[n] <= p.cu_seqlens_k[n + 1];
+      }
+      ordered = __all_sync(0xffffffffu, ordered);
       for (int it = 0; it < items; ++it) {
         const int head = kv_head * p.group + it / m_count;
         const int m_block = m_lo + it % m_count;
-        int last = n_block, hi = static_cast<int>(gridDim.x) - 1;
-        while (last < hi) {
-          const int mid = (last + hi + 1) / 2;
-          int first, count;
-          query_tiles(mid, first, count);
-          if (count > 0 && first <= m_block) {
-            last = mid;
-          } else {
-            hi = mid - 1;
+        int later = BlocksStartingBy<kBlockM, kBlockN>(m_block, q_begin, sq, sk, p.left, p.right) - n_block - 1;
+        if (p.cu_seqlens_k != nullptr) {
+          int seen = 0;
+          for (int n = seq + 1 + lane; n < p.num_sequences; n += 32) {
+            const int begin = Clamp(p.cu_seqlens_q[n], 0, p.seqlen_q);
+            if (begin >= (m_block + 1) * kBlockM) break;  // and so do the later ones
+            const int key_begin = Clamp(p.cu_seqlens_k[n], 0, p.seqlen_k);
+            seen += BlocksSeeing<kBlockM, kBlockN>(m_block, begin, Clamp(p.cu_seqlens_q[n + 1], begin, p.seqlen_q) - begin,
+                                                   Clamp(p.cu_seqlens_k[n + 1], key_begin, p.seqlen_k) - key_begin,
+                                                   p.left, p.right);
           }
+          later += __reduce_add_sync(0xffffffffu, seen);
         }
         int* turn = p.dq_turns + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) * 2 +
                     served;
-        if (lane == 0) {
-          while (LoadAcquire(turn) != last - n_block) {
+        if (lane == 0 && ordered) {
+          while (LoadAcquire(turn) != later) {
           }
         }
         __syncwarp();

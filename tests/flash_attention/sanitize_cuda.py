@@ -41,13 +41,14 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (96, 75, 130), (128, 131, 200), (19
     cu = jnp.array([0, 0, 1, 20, seq_q - 5], jnp.int32)
     cu_k = jnp.array([0, 3, 3, 25, seq_k - 5], jnp.int32)
 
-    def varlen_loss(q, k, v):
-        out = flash_attention(q, k, v, causal=True, softmax_aux=aux, cum_seqlens_q=cu, cum_seqlens_k=cu_k,
-                              platform="cuda")
-        return jnp.sum(out.astype(jnp.float32) ** 2)
+    for deterministic in (False, True):
+        def varlen_loss(q, k, v):
+            out = flash_attention(q, k, v, causal=True, softmax_aux=aux, cum_seqlens_q=cu, cum_seqlens_k=cu_k,
+                                  deterministic=deterministic, platform="cuda")
+            return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))
-    calls += 1
+        jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))
+        calls += 1
 
     # Segment ids (the Hopper segment kernels), with and without a causal mask.
     q_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, seq_q)), axis=1), jnp.int32)

@@ -28,6 +28,17 @@ VARLEN = ((0, 20, 20, 21, 30, 50), (0, 30, 37, 38, 38, 60), 57, 64)
 # keys 506..519.
 VARLEN_TILES = ((0, 150, 150, 151, 228, 488), (0, 200, 205, 206, 206, 506), 500, 520)
 
+
+def _packed(q_lengths: list[int], k_lengths: list[int], pad_q: int, pad_k: int) -> tuple:
+    cu_q, cu_k = np.cumsum([0, *q_lengths]), np.cumsum([0, *k_lengths])
+    return tuple(map(int, cu_q)), tuple(map(int, cu_k)), int(cu_q[-1]) + pad_q, int(cu_k[-1]) + pad_k
+
+
+# Forty short sequences (0-5 queries, 0-4 keys) between two long ones: more sequences share a
+# query tile than a warp has lanes. Rows 0..129, 130..224 (the short ones), 225..524, then 7
+# padding rows; keys likewise with 170 and 280 and 5 padding keys.
+VARLEN_MANY = _packed([130, *([1, 3, 0, 2, 5, 1, 4, 3] * 5), 300], [170, *([2, 1, 3, 0, 4, 1, 2, 2] * 5), 280], 7, 5)
+
 DIFFERENTIABLE = ("query", "key", "value", "bias", "softmax_aux")
 
 
@@ -217,6 +228,20 @@ CASES = [
          head_dim=192, causal=True),
     Case("tiles_segments_bf16_d192_shuffled", dtype="bfloat16", batch=1, seq_q=270, seq_k=300, q_heads=2,
          kv_heads=1, head_dim=192, segments="shuffled"),
+    # The deterministic Hopper backward on packed sequences: a query tile shared by neighbours
+    # takes the later sequences' key blocks first, then its own sequence's, last first.
+    Case("varlen_tiles_deterministic_causal_bf16_d128_gqa", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, deterministic=True),
+    Case("varlen_tiles_deterministic_window_f16_d64", dtype="float16", varlen=VARLEN_TILES, q_heads=2, kv_heads=1,
+         window=(60, 10), deterministic=True),
+    Case("varlen_tiles_deterministic_bf16_d192_sinks", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=2, kv_heads=2,
+         head_dim=192, sinks=True, deterministic=True),
+    Case("varlen_many_deterministic_bf16_d256", dtype="bfloat16", varlen=VARLEN_MANY, q_heads=2, kv_heads=1,
+         head_dim=256, deterministic=True),
+    Case("varlen_many_deterministic_causal_f16_d96_gqa", dtype="float16", varlen=VARLEN_MANY, q_heads=4,
+         kv_heads=2, head_dim=96, causal=True, deterministic=True),
+    Case("varlen_many_deterministic_window_bf16_d64", dtype="bfloat16", varlen=VARLEN_MANY, q_heads=2, kv_heads=2,
+         causal=True, window=(20, -1), deterministic=True),
 ]
 
 
@@ -823,3 +848,25 @@ def test_xla_memory_is_linear(causal):
     for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
         temp = jax.jit(fn).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
         assert temp < 8 * input_bytes, f"{temp} bytes of temporaries for {input_bytes}-byte inputs"
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90 GPU and the Hopper kernels")
+def test_cuda_deterministic_backward_survives_unordered_cum_seqlens(rng):
+    """Offsets traced under jit are not checked; decreasing ones give meaningless values, but
+    the deterministic backward, whose key blocks wait for each other's dQ turns, still ends."""
+    from ejkernel.modules import flash_attention
+
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 400, 2, 128)), jnp.bfloat16) for _ in range(3))
+    cu_q, cu_k = jnp.array([0, 300, 100, 400], jnp.int32), jnp.array([0, 350, 120, 400], jnp.int32)
+
+    @jax.jit
+    def grads(q, k, v, cu_q, cu_k):
+        def loss(q, k, v):
+            out = flash_attention(q, k, v, causal=True, cum_seqlens_q=cu_q, cum_seqlens_k=cu_k, deterministic=True,
+                                  platform="cuda")
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for grad, x in zip(jax.block_until_ready(grads(q, k, v, cu_q, cu_k)), (q, k, v)):
+        assert grad.shape == x.shape

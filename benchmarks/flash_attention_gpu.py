@@ -3,9 +3,10 @@ one process, forward and forward+backward.
 
 The grid follows FlashAttention-3's: B * S = 16384 tokens, H * D = 2048, head dims 64/128/256,
 S from 512 to 16384, causal and not; plus GQA 32/8, a sliding window of 1024 against full
-causal attention at S = 16384, packed variable-length sequences, segment ids, and head dims 96
-and 192. TFLOP/s count only the visible (unmasked) score entries: 4 * B * H * D * visible pairs
-forward, 2.5x that backward. Each implementation is timed in 3 rounds of alternating order and
+causal attention at S = 16384, packed variable-length sequences, segment ids, head dims 96
+and 192, and a dense bias or boolean mask. TFLOP/s count only the visible (unmasked) score
+entries (a dense mask's pairs all count): 4 * B * H * D * visible pairs forward, 2.5x that
+backward. Each implementation is timed in 3 rounds of alternating order and
 its best round is kept.
 
     python benchmarks/flash_attention_gpu.py [--quick] [--out benchmarks/results]
@@ -14,6 +15,8 @@ its best round is kept.
     python benchmarks/flash_attention_gpu.py --head-dims 256 --no-extra --part b
     python benchmarks/flash_attention_gpu.py --head-dims '' --part c  # the extra cases
     python benchmarks/flash_attention_gpu.py --merge a b c
+    # some extra cases alone, by name:
+    python benchmarks/flash_attention_gpu.py --head-dims '' --only bias,mask --part bias_mask
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Case:
     varlen: bool = False  # pack `batch` sequences of random lengths into one row
     segments: int = 0  # segment ids: this many documents of random lengths in each row
     deterministic: bool = False  # the backward's bit-reproducible mode
+    dense: str = ""  # "bias": an additive [1, H, S, S] bias; "mask": a boolean [B, 1, S, S] mask
 
     @property
     def num_kv_heads(self) -> int:
@@ -93,6 +97,9 @@ def extra_cases() -> list[Case]:
         Case("d96", 4, 4096, 16, 96, causal=True),
         Case("d192", 4, 4096, 16, 192),
         Case("d192", 4, 4096, 16, 192, causal=True),
+        Case("bias", 4, 4096, 16, 128, dense="bias"),
+        Case("bias", 4, 4096, 16, 128, causal=True, dense="bias"),
+        Case("mask", 4, 4096, 16, 128, dense="mask"),
     ]
 
 
@@ -118,6 +125,16 @@ def _inputs(case: Case, rng: np.random.Generator):
     return q, k, v, g, lengths
 
 
+def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
+    """The bias or mask, passed to every implementation as an argument (a closed-over array
+    would be compiled in as a constant)."""
+    if case.dense == "bias":
+        return (jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16),)
+    if case.dense == "mask":
+        return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
+    return ()
+
+
 def _segment_ids(case: Case, lengths) -> jax.Array:
     ids = np.repeat(np.arange(case.segments), lengths[: case.segments])
     return jnp.asarray(np.broadcast_to(ids, (case.batch, case.seqlen)), jnp.int32)
@@ -133,7 +150,8 @@ def _ours(case: Case, lengths) -> Callable:
     elif lengths is not None:
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
         kw.update(cum_seqlens_q=cu, cum_seqlens_k=cu)
-    return lambda q, k, v: flash_attention(q, k, v, **kw)
+    name = {"bias": "bias", "mask": "attention_mask"}.get(case.dense)
+    return lambda q, k, v, *dense: flash_attention(q, k, v, **kw, **({name: dense[0]} if name else {}))
 
 
 # XLA materialises the S x S scores: past this length it only shows how far behind it is.
@@ -154,14 +172,15 @@ def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
     if lengths is not None:
         # Padded layout [num_seqs, max_len] with per-sequence lengths: what cuDNN offers for varlen.
         return None
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)
+    name = case.dense or None
+    return lambda q, k, v, *dense: jax.nn.dot_product_attention(q, k, v, **kw, **({name: dense[0]} if name else {}))
 
 
 def _pallas_mgpu(case: Case, lengths) -> Callable | None:
     """JAX's Pallas Mosaic GPU attention (Hopper); it applies no softmax scale, so q is scaled.
     It takes float16 only (this JAX rejects bfloat16), so it is timed on float16 copies."""
-    if lengths is not None or case.window >= 0:
-        return None  # packed sequences, segment ids, windows: not in this kernel
+    if lengths is not None or case.window >= 0 or case.dense:
+        return None  # packed sequences, segment ids, windows, bias, masks: not in this kernel
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     blocks = dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64) if not case.causal else {}
@@ -174,7 +193,7 @@ def _pallas_mgpu(case: Case, lengths) -> Callable | None:
 def _pallas_triton(case: Case, lengths) -> Callable | None:
     """JAX's Pallas Triton attention (any NVIDIA GPU); no GQA, no window. Timed only at
     d=128, where the Mosaic GPU kernel is the stronger Pallas anchor elsewhere too."""
-    if case.varlen or case.window >= 0 or case.num_kv_heads != case.heads or case.head_dim != 128:
+    if case.varlen or case.window >= 0 or case.dense or case.num_kv_heads != case.heads or case.head_dim != 128:
         return None
     from jax.experimental.pallas.ops.gpu import attention
 
@@ -184,8 +203,8 @@ def _pallas_triton(case: Case, lengths) -> Callable | None:
 
 
 def _fwd_bwd(fn: Callable) -> Callable:
-    def loss(q, k, v, g):
-        return jnp.sum(fn(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
+    def loss(q, k, v, g, *dense):
+        return jnp.sum(fn(q, k, v, *dense).astype(jnp.float32) * g.astype(jnp.float32))
 
     return jax.grad(loss, argnums=(0, 1, 2))
 
@@ -225,6 +244,7 @@ def _describe(exc: Exception) -> str:
 
 def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, Any]:
     q, k, v, g, lengths = _inputs(case, rng)
+    dense = _dense_inputs(case, rng)
     flops = 4.0 * case.heads * case.head_dim * case.visible_pairs(lengths)
     impls = {
         "ours": _ours(case, lengths),
@@ -254,7 +274,7 @@ def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, 
         inputs = (q, k, v, g) if name != "pallas_mgpu" else tuple(x.astype(jnp.float16) for x in (q, k, v, g))
         try:
             jitted = jax.jit(fn)
-            out = jitted(*inputs[:3])
+            out = jitted(*inputs[:3], *dense)
             if reference is None and name == "ours":
                 reference = out
             elif reference is not None:
@@ -266,7 +286,7 @@ def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, 
         if backward:
             try:
                 grad = jax.jit(_fwd_bwd(fn))
-                jax.block_until_ready(grad(*inputs))
+                jax.block_until_ready(grad(*inputs, *dense))
             except Exception as exc:  # noqa: BLE001
                 row[f"{name}_fwdbwd_error"] = _describe(exc)
                 grad = None
@@ -275,9 +295,9 @@ def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, 
         names = list(runnable) if round_index % 2 == 0 else list(reversed(runnable))
         for name in names:
             jitted, grad, inputs = runnable[name]
-            timings = [("fwd", 1.0, lambda: _time_ms(jitted, inputs[:3]))]
+            timings = [("fwd", 1.0, lambda: _time_ms(jitted, (*inputs[:3], *dense)))]
             if grad is not None:
-                timings.append(("fwdbwd", 3.5, lambda: _time_ms(grad, inputs)))
+                timings.append(("fwdbwd", 3.5, lambda: _time_ms(grad, (*inputs, *dense))))
             for kind, flop_factor, measure in timings:
                 try:
                     ms = measure()
@@ -361,6 +381,7 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128,256",
                         help="head dims of the FlashAttention-3 grid ('': the extra cases only)")
     parser.add_argument("--no-extra", action="store_true", help="skip the GQA, window and varlen cases")
+    parser.add_argument("--only", help="comma-separated names of the extra cases to run (default: all)")
     parser.add_argument("--part", help="write flash_attention_gpu.<part>.json instead of the final files")
     parser.add_argument("--merge", nargs="+", metavar="PART", help="merge parts into the final JSON and plot")
     args = parser.parse_args()
@@ -378,7 +399,10 @@ def main() -> None:
         raise SystemExit(f"needs an NVIDIA GPU; the default device is {device.platform}")
     rng = np.random.default_rng(int(time.time_ns() % 2**32))
     head_dims = tuple(int(d) for d in args.head_dims.split(",") if d)
-    cases = fa3_grid(args.quick, head_dims) + ([] if args.no_extra else extra_cases())
+    extra = [] if args.no_extra else extra_cases()
+    if args.only:
+        extra = [c for c in extra if c.name in args.only.split(",")]
+    cases = fa3_grid(args.quick, head_dims) + extra
     args.out.mkdir(parents=True, exist_ok=True)
     import ejkernel
 

@@ -211,13 +211,14 @@ __device__ __forceinline__ bool TileFullyVisible(const FeatureArgs& f, const Seq
   return true;
 }
 
-// The gradient of one (query i, key j) element, local indices. In: raw = q.k, dp = dO.v.
-// Out: pk = dropout(P) (for dV), ds = dL/d(scale * q.k) (for dK, dQ), and returns
-// dL/d(logit) (for dbias), all 0 where (i, j) is not visible.
+// The gradient of one (query i, key j) element, local indices. In: raw = q.k, dp = dO.v,
+// and (kGeneral) the element's bias and mask/segment verdict (mma::ReadElements). Out: pk =
+// dropout(P) (for dV), ds = dL/d(scale * q.k) (for dK, dQ), and returns dL/d(logit) (for
+// dbias), all 0 where (i, j) is not visible.
 template <bool kGeneral>
 __device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s, bool check, int32_t b, int32_t h,
-                                             int32_t i, int32_t j, float lse2, float delta, uint32_t seed,
-                                             float& raw_to_pk, float& dp_to_ds) {
+                                             int32_t i, int32_t j, float lse2, float delta, uint32_t seed, float bias,
+                                             bool shown, float& raw_to_pk, float& dp_to_ds) {
   if constexpr (!kGeneral) {
     float p = exp2f(fmaf(raw_to_pk, f.scale_log2, -lse2));
     if (check && !LocalVisible(f, s, i, j)) p = 0.0f;
@@ -226,23 +227,14 @@ __device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s,
     dp_to_ds = ds;
     return ds;
   } else {
-    bool visible = !check || LocalVisible(f, s, i, j);
+    const bool visible = (!check || LocalVisible(f, s, i, j)) && shown;
     const int64_t qi = s.q_begin + i, kj = s.k_begin + j;
-    if (visible && f.mask != nullptr) {
-      visible = __ldg(f.mask + b * f.mask_stride_b + h * f.mask_stride_h + qi * f.seqlen_k + kj) != 0;
-    }
-    if (visible && f.q_segment != nullptr) {
-      visible = __ldg(f.q_segment + static_cast<int64_t>(b) * f.seqlen_q + qi) ==
-                __ldg(f.kv_segment + static_cast<int64_t>(b) * f.seqlen_k + kj);
-    }
     float t = 0.0f, logit = raw_to_pk * f.scale;
     if (f.soft_cap > 0.0f) {
       t = tanhf(logit / f.soft_cap);
       logit = f.soft_cap * t;
     }
-    if (visible && f.bias != nullptr) {
-      logit += mma::LoadFloat(f.bias, f.bias_dtype, b * f.bias_stride_b + h * f.bias_stride_h + qi * f.seqlen_k + kj);
-    }
+    logit += bias;
     const float p = visible ? exp2f(fmaf(logit, kLog2e, -lse2)) : 0.0f;
     float z = 1.0f;
     if (f.dropout) {
@@ -429,14 +421,23 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
           }
         }
 
-            #pragma unroll
+                    const auto element_query = [&](int n, int e) { return qp * kPartRows + n * 8 + 2 * t4 + (e & 1); };
+        const auto element_key = [&](int e) { return kg * 16 + g + (e >> 1) * 8; };
+        float bias[kNqp][4];
+        bool shown[kNqp][4];
+        if constexpr (kGeneral) {
+          mma::ReadElements<kNqp, false>(f, b, h, [&](int n, int e) {
+            return make_int2(s.q_begin + i0 + element_query(n, e), s.k_begin + j0 + element_key(e));
+          }, bias, shown);
+        }
+#pragma unroll
         for (int n = 0; n < kNqp; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int32_t qi = qp * kPartRows + n * 8 + 2 * t4 + (e & 1);
-            const int32_t kj = kg * 16 + g + (e >> 1) * 8;
-            const float dlogit = ElementGrad<kGeneral>(f, s, check, b, h, i0 + qi, j0 + kj, stats[qi],
-                                                       stats[C::kBlockQ + qi], seed, sc[n][e], dp[n][e]);
+            const int32_t qi = element_query(n, e), kj = element_key(e);
+            const float dlogit =
+                ElementGrad<kGeneral>(f, s, check, b, h, i0 + qi, j0 + kj, stats[qi], stats[C::kBlockQ + qi], seed,
+                                      kGeneral ? bias[n][e] : 0.0f, kGeneral ? shown[n][e] : true, sc[n][e], dp[n][e]);
             if constexpr (kGeneral) {
               if (write_dbias && dlogit != 0.0f) {
                 float* at = a.dbias + b * f.bias_stride_b + h * f.bias_stride_h +
@@ -639,14 +640,22 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
     RowsTimesRowsT<T, kD, kNk>(sc, s_q + warp * 16 * C::kStride, s_k, lane);
     RowsTimesRowsT<T, kD, kNk>(dp, s_do + warp * 16 * C::kStride, s_v, lane);
     const bool check = !TileFullyVisible(f, s, i0, C::kBlockQ, j0, C::kBlockK);
+    const auto element_query = [&](int e) { return warp * 16 + g + (e >> 1) * 8; };
+    const auto element_key = [&](int n, int e) { return n * 8 + 2 * t4 + (e & 1); };
+    float bias[kNk][4];
+    bool shown[kNk][4];
+    if constexpr (kGeneral) {
+      mma::ReadElements<kNk, true>(f, b, h, [&](int n, int e) {
+        return make_int2(s.q_begin + i0 + element_query(e), s.k_begin + j0 + element_key(n, e));
+      }, bias, shown);
+    }
 #pragma unroll
     for (int n = 0; n < kNk; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int32_t qi = warp * 16 + g + (e >> 1) * 8;
-        const int32_t kj = n * 8 + 2 * t4 + (e & 1);
-        ElementGrad<kGeneral>(f, s, check, b, h, i0 + qi, j0 + kj, lse2[e >> 1], delta[e >> 1], seed, sc[n][e],
-                              dp[n][e]);
+        ElementGrad<kGeneral>(f, s, check, b, h, i0 + element_query(e), j0 + element_key(n, e), lse2[e >> 1],
+                              delta[e >> 1], seed, kGeneral ? bias[n][e] : 0.0f, kGeneral ? shown[n][e] : true,
+                              sc[n][e], dp[n][e]);
       }
     }
     FragTimesRows<T, kNk / 2, kNd>(acc, dp, s_k, C::kStride, 0, lane);

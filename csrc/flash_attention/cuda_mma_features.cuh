@@ -19,10 +19,10 @@
 //                                   for kernels that walk query tiles per key tile.
 //   SinkLogit(f, h)                 the sink logit of head h (natural units).
 //   LogitLog2(f, s, bias)           raw q.k -> log2(e) * (SoftCap(scale * s) + bias).
-//   MaskAndSegmentVisible(f, row, b, h, j)     attention mask and segment ids at key j.
-//   ElementVisible<kGeneral>(f, row, b, h, j)  [lo, hi), plus mask and segments if kGeneral.
-//   ElementBias(f, row, b, h, j)    bias[b, h, i, j] (broadcast dims honoured), 0 without bias.
-//   DropoutKept(f, row, j)          whether dropout keeps P[i, j] (true when dropout is off).
+//   ReadElements<kN, kKeyPairs>(f, b, h, index, bias, shown)
+//                                   bias[b, h, i, j] (broadcast dims honoured, 0 without bias)
+//                                   and the mask and segment ids' verdict of a fragment's
+//                                   elements, every read issued before any is used.
 // Device, per C fragment of mma.m16n8k16 (rows are queries, columns keys; see cuda_mma.h):
 //   ScoresToLogits<kN, kGeneral, kCheckRange>(s, f, rows, b, h, col0)
 //       s[nt][e] holds raw q.k for row rows[e / 2] and key col0 + 8 * nt + e % 2 (col0 =
@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_attention/params.h"
 #include "flash_attention/semantics.h"
@@ -258,34 +259,114 @@ __device__ __forceinline__ float LogitLog2(const FeatureArgs& f, float s, float 
   return fmaf(s, f.scale_log2, bias * kLog2e);
 }
 
-__device__ __forceinline__ float ElementBias(const FeatureArgs& f, const QueryRow& row, int32_t b, int32_t h, int32_t j) {
-  if (f.bias == nullptr) return 0.0f;
-  const int64_t at = b * f.bias_stride_b + h * f.bias_stride_h + static_cast<int64_t>(row.index) * f.seqlen_k + j;
-  return LoadFloat(f.bias, f.bias_dtype, at);
-}
-
-// The attention mask and the segment ids at key j (true when neither is given). Reads memory:
-// call only for keys inside the tensor.
-__device__ __forceinline__ bool MaskAndSegmentVisible(const FeatureArgs& f, const QueryRow& row, int32_t b, int32_t h,
-                                                      int32_t j) {
-  if (f.mask != nullptr &&
-      !__ldg(f.mask + b * f.mask_stride_b + h * f.mask_stride_h + static_cast<int64_t>(row.index) * f.seqlen_k + j)) {
-    return false;
+// A bias tensor's element type, for reads typed at compile time (NoBias: none).
+struct NoBias {};
+template <typename Fn>
+__device__ __forceinline__ void DispatchBias(const FeatureArgs& f, Fn&& fn) {
+  if (f.bias == nullptr) return fn(static_cast<const NoBias*>(nullptr));
+  switch (f.bias_dtype) {
+    case DType::kBF16: return fn(static_cast<const __nv_bfloat16*>(f.bias));
+    case DType::kF16: return fn(static_cast<const __half*>(f.bias));
+    case DType::kF64: return fn(static_cast<const double*>(f.bias));
+    default: return fn(static_cast<const float*>(f.bias));
   }
-  return f.q_segment == nullptr || __ldg(f.kv_segment + static_cast<int64_t>(b) * f.seqlen_k + j) == row.segment;
 }
+__device__ __forceinline__ float BiasAt(const NoBias*, int64_t) { return 0.0f; }
+__device__ __forceinline__ float BiasAt(const float* bias, int64_t at) { return __ldg(bias + at); }
+__device__ __forceinline__ float BiasAt(const double* bias, int64_t at) { return static_cast<float>(__ldg(bias + at)); }
+__device__ __forceinline__ float BiasAt(const __nv_bfloat16* bias, int64_t at) { return __bfloat162float(__ldg(bias + at)); }
+__device__ __forceinline__ float BiasAt(const __half* bias, int64_t at) { return __half2float(__ldg(bias + at)); }
 
-// kGeneral: mask and segments too. Reads memory only for j in [lo, hi).
-template <bool kGeneral>
-__device__ __forceinline__ bool ElementVisible(const FeatureArgs& f, const QueryRow& row, int32_t b, int32_t h,
-                                               int32_t j) {
-  if (j < row.lo || j >= row.hi) return false;
-  if constexpr (kGeneral) return MaskAndSegmentVisible(f, row, b, h, j);
-  return true;
-}
-
-__device__ __forceinline__ bool DropoutKept(const FeatureArgs& f, const QueryRow& row, int32_t j) {
-  return !f.dropout || DropoutKeep(row.dropout_key, static_cast<uint32_t>(j), f.dropout_threshold);
+// The bias (0 without one) and whether the attention mask and segment ids show the element
+// (true without them), for kN x 4 elements of batch row b and query head h: element (n, e)
+// at query index(n, e).x and key index(n, e).y of the batch row, clamped into the tensors
+// (callers mask the elements outside by range). Every read is unconditional and none is used
+// before all are issued, so that their latencies overlap: behind a per-element visibility
+// test they ran one after another, and a call with a bias or mask took ~10x the time.
+// kKeyPairs: elements (n, 2k) and (n, 2k + 1) are keys j and j + 1 of one query, with j of
+// the parity of element (0, 0)'s key; read as one word where that is even, the key count is
+// even and the tensor aligned (then no pair straddles a row or a word).
+template <int kN, bool kKeyPairs, typename Index>
+__device__ __forceinline__ void ReadElements(const FeatureArgs& f, int32_t b, int32_t h, Index&& index,
+                                             float (&bias)[kN][4], bool (&shown)[kN][4]) {
+  // Keys past the row are clamped to its last (the last pair's first for pairs).
+  const auto at = [&](int n, int e, int64_t stride_b, int64_t stride_h, int32_t last_key) {
+    const int2 ij = index(n, e);
+    return b * stride_b + h * stride_h + static_cast<int64_t>(min(ij.x, f.seqlen_q - 1)) * f.seqlen_k +
+           min(ij.y, last_key);
+  };
+  const bool even_keys = f.seqlen_k % 2 == 0 && index(0, 0).y % 2 == 0;
+  const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  DispatchBias(f, [&](const auto* typed) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+    if constexpr (kKeyPairs && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> ||
+                                std::is_same_v<T, float>)) {
+      if (even_keys && aligned(typed, 2 * sizeof(T))) {
+#pragma unroll
+        for (int n = 0; n < kN; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const int64_t i = at(n, e, f.bias_stride_b, f.bias_stride_h, f.seqlen_k - 2);
+            float2 pair;
+            if constexpr (std::is_same_v<T, float>) {
+              pair = __ldg(reinterpret_cast<const float2*>(typed + i));
+            } else if constexpr (std::is_same_v<T, __half>) {
+              pair = __half22float2(__ldg(reinterpret_cast<const __half2*>(typed + i)));
+            } else {
+              pair = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(typed + i)));
+            }
+            bias[n][e] = pair.x;
+            bias[n][e + 1] = pair.y;
+          }
+        }
+        return;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) bias[n][e] = BiasAt(typed, at(n, e, f.bias_stride_b, f.bias_stride_h, f.seqlen_k - 1));
+    }
+  });
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) shown[n][e] = true;
+  }
+  if (f.mask != nullptr) {
+    if (kKeyPairs && even_keys && aligned(f.mask, 2)) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const uint16_t pair = __ldg(reinterpret_cast<const uint16_t*>(
+              f.mask + at(n, e, f.mask_stride_b, f.mask_stride_h, f.seqlen_k - 2)));
+          shown[n][e] = (pair & 0xffu) != 0;
+          shown[n][e + 1] = (pair >> 8) != 0;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          shown[n][e] = __ldg(f.mask + at(n, e, f.mask_stride_b, f.mask_stride_h, f.seqlen_k - 1)) != 0;
+        }
+      }
+    }
+  }
+  if (f.q_segment != nullptr) {
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int2 ij = index(n, e);
+        const int32_t q_id = __ldg(f.q_segment + static_cast<int64_t>(b) * f.seqlen_q + min(ij.x, f.seqlen_q - 1));
+        const int32_t kv_id = __ldg(f.kv_segment + static_cast<int64_t>(b) * f.seqlen_k + min(ij.y, f.seqlen_k - 1));
+        shown[n][e] = shown[n][e] && q_id == kv_id;
+      }
+    }
+  }
 }
 
 template <int kN, bool kGeneral, bool kCheckRange>
@@ -317,17 +398,24 @@ __device__ __forceinline__ void ScoresToLogits(float (&s)[kN][4], const FeatureA
       }
     }
   } else {
+    // Four n-tiles at a time: a whole 64-key fragment's reads next to S and O spilled.
+    constexpr int kChunk = kN < 4 ? kN : 4;
+    static_assert(kN % kChunk == 0, "n-tiles in chunks");
 #pragma unroll
-    for (int nt = 0; nt < kN; ++nt) {
+    for (int c = 0; c < kN; c += kChunk) {
+      float bias[kChunk][4];
+      bool shown[kChunk][4];
+      ReadElements<kChunk, true>(
+          f, b, h, [&](int nt, int e) { return make_int2(rows[e >> 1].index, col0 + (c + nt) * 8 + (e & 1)); }, bias,
+          shown);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t j = col0 + nt * 8 + (e & 1);
-        const QueryRow& r = rows[e >> 1];
-        const bool in_range = !kCheckRange || (j >= r.lo && j < r.hi);
-        if (in_range && MaskAndSegmentVisible(f, r, b, h, j)) {
-          s[nt][e] = LogitLog2(f, s[nt][e], ElementBias(f, r, b, h, j));
-        } else {
-          s[nt][e] = -INFINITY;
+      for (int nt = 0; nt < kChunk; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t j = col0 + (c + nt) * 8 + (e & 1);
+          const QueryRow& r = rows[e >> 1];
+          const bool in_range = !kCheckRange || (j >= r.lo && j < r.hi);
+          s[c + nt][e] = in_range && shown[nt][e] ? LogitLog2(f, s[c + nt][e], bias[nt][e]) : -INFINITY;
         }
       }
     }

@@ -111,6 +111,13 @@ CASES = [
          bias="B1", mask="1H", segments=True, dropout=0.1, seq_q=70, seq_k=90),
     Case("everything_varlen", varlen=VARLEN, causal=True, window=(12, 2), soft_cap=5.0, sinks=True,
          bias="1H", mask="11", dropout=0.15, kv_heads=1),
+    # A bias and a mask over several tiles of the CUDA kernels, which read a fragment's adjacent
+    # keys as one word where the keys are even in number and the pair starts even: packed
+    # sequences starting at odd keys (VARLEN_TILES' third), a float32 bias (8-byte pairs).
+    Case("varlen_tiles_bias_mask_deterministic_bf16", dtype="bfloat16", varlen=VARLEN_TILES, causal=True,
+         bias="1H", mask="11", deterministic=True, q_heads=2, kv_heads=1, head_dim=128),
+    Case("tiles_bias_f32_mask_f16_even_keys", dtype="float16", batch=2, seq_q=301, seq_k=260, q_heads=4,
+         kv_heads=2, bias="BH", bias_dtype="float32", mask="B1", deterministic=True),
     # Several tiles of the CUDA kernels (128 x 64 and up), odd lengths, every head dim.
     Case("tiles_causal_d96_sq<sk", dtype="bfloat16", batch=1, seq_q=300, seq_k=517, q_heads=2, kv_heads=1, head_dim=96, causal=True),
     Case("tiles_window_d192_f16", dtype="float16", batch=1, seq_q=333, seq_k=333, q_heads=2, kv_heads=2,

@@ -171,7 +171,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   EJK_FFI_ASSIGN_OR_RETURN(p.dq, ViewOf(*dq, "dq"));
   EJK_FFI_ASSIGN_OR_RETURN(p.dk, ViewOf(*dk, "dk"));
   EJK_FFI_ASSIGN_OR_RETURN(p.dv, ViewOf(*dv, "dv"));
-  EJK_FFI_ASSIGN_OR_RETURN(p.dbias, OptionalViewOf(*dbias, "dbias", operands & kHasBias));
+  EJK_FFI_ASSIGN_OR_RETURN(p.dbias, OptionalViewOf(*dbias, "dbias", WantsBiasGrad(operands)));
   EJK_FFI_ASSIGN_OR_RETURN(p.dsoftmax_aux,
                            OptionalViewOf(*dsoftmax_aux, "dsoftmax_aux", operands & kHasSoftmaxAux));
   p.deterministic = deterministic;

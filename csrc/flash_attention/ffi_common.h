@@ -18,7 +18,11 @@ enum OperandFlag : int64_t {
   kHasCuSeqlens = 8,
   kHasSegmentIds = 16,
   kHasDlse = 32,
+  kNoBiasGrad = 64,  // backward: a bias is given but its gradient is not wanted
 };
+
+// Whether the backward writes dbias.
+inline bool WantsBiasGrad(int64_t operands) { return (operands & kHasBias) && !(operands & kNoBiasGrad); }
 
 inline std::vector<std::string> AllFeatures() {
   return {"causal",      "sliding_window", "logits_soft_cap", "softmax_aux", "bias",

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from ... import _native
 from ._validate import AttentionArgs, signature_of
@@ -23,7 +24,7 @@ from ._validate import AttentionArgs, signature_of
 OP = "flash_attention"
 
 # Bits of the `operands` attribute (csrc/flash_attention/ffi_common.h).
-_HAS_BIAS, _HAS_MASK, _HAS_AUX, _HAS_CU_SEQLENS, _HAS_SEGMENT_IDS, _HAS_DLSE = 1, 2, 4, 8, 16, 32
+_HAS_BIAS, _HAS_MASK, _HAS_AUX, _HAS_CU_SEQLENS, _HAS_SEGMENT_IDS, _HAS_DLSE, _NO_BIAS_GRAD = 1, 2, 4, 8, 16, 32, 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +139,16 @@ def _attention_fn(static: _Static):
     def attention(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
         return forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
 
-    def attention_fwd(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
+    # Symbolic zeros: the forward learns which inputs are differentiated, the backward which
+    # outputs' cotangents are zero. A bias that nothing differentiates (a fixed positional
+    # bias, say) gets no dbias: its float32 [B, H, Sq, Sk] sum is the backward's costliest part.
+    def attention_fwd(*primals):
+        q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed = (
+            None if p is None else p.value for p in primals)
         out, lse = forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
-        return (out, lse), (q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed, out, lse)
+        # The flag travels as the residuals' structure (None or an empty array).
+        bias_grad = None if bias is None or not primals[3].perturbed else jnp.zeros((0,), jnp.int8)
+        return (out, lse), (q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed, out, lse, bias_grad)
 
     def attention_bwd(residuals, cotangents):
         if not static.backward:
@@ -148,13 +156,23 @@ def _attention_fn(static: _Static):
                 f"flash_attention on platform '{static.platform}' has no backward kernel; "
                 "use platform='xla' (or the automatic choice) to differentiate"
             )
-        q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed, out, lse = residuals
+        q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed, out, lse, bias_grad = residuals
         dout, dlse = cotangents
+        if isinstance(dout, SymbolicZero):
+            dout = jnp.zeros(out.shape, q.dtype)
+        operands = static.operands
+        if isinstance(dlse, SymbolicZero):
+            dlse = _placeholder(None, jnp.float32)
+        else:
+            operands |= _HAS_DLSE
+        wants_dbias = bias is not None and bias_grad is not None
+        if bias is not None and not wants_dbias:
+            operands |= _NO_BIAS_GRAD
         results = [
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(bias.shape if bias is not None else (0,), jnp.float32),
+            jax.ShapeDtypeStruct(bias.shape if wants_dbias else (0,), jnp.float32),
             jax.ShapeDtypeStruct(aux.shape if aux is not None else (0,), jnp.float32),
             _workspace(static, "backward", q, k),
         ]
@@ -169,14 +187,14 @@ def _attention_fn(static: _Static):
             lse,
             dlse.astype(jnp.float32),
             *optional,
-            **static.attributes(static.operands | _HAS_DLSE),
+            **static.attributes(operands),
         )
         inputs = (q, k, v, bias, aux, dout, dlse)
         return (
             _cotangent_like(dq, q, *inputs),
             _cotangent_like(dk, k, *inputs),
             _cotangent_like(dv, v, *inputs),
-            None if bias is None else _cotangent_like(dbias.astype(bias.dtype), bias, *inputs),
+            _cotangent_like(dbias.astype(bias.dtype), bias, *inputs) if wants_dbias else None,
             None,
             None if aux is None else _cotangent_like(daux.astype(aux.dtype), aux, *inputs),
             None,
@@ -186,7 +204,7 @@ def _attention_fn(static: _Static):
             None,
         )
 
-    attention.defvjp(attention_fwd, attention_bwd)
+    attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
     return attention
 
 

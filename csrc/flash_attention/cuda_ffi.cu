@@ -273,7 +273,8 @@ std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
     for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());
     return tiles;
   }
-  return MmaForwardTiles(head_dim);
+  return MmaForwardTiles(head_dim, HasFeature(signature, "bias") || HasFeature(signature, "attention_mask") ||
+                                       HasFeature(signature, "dropout") || HasFeature(signature, "segment_ids"));
 }
 
 Config ConfigJson(const CudaConfig& c) {

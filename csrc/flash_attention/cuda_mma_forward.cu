@@ -52,21 +52,25 @@ Status ForwardMma(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream
   if (args.p.dropout_prob > 0.0f && args.dropout_seed == nullptr) {
     return Status::InvalidArgument("dropout_seed: required when dropout_prob > 0");
   }
+  const ForwardParams& p = args.p;
+  const bool per_element =
+      p.bias.present() || p.mask.present() || p.dropout_prob > 0.0f || p.q_segment_ids.present();
+  const CudaConfig tile = ChooseMmaForwardTile(args.dims.head_dim, per_element, cfg);
   switch (args.dims.head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return ForwardMmaHeadDim64(args, cfg, stream);
+    case 64: return ForwardMmaHeadDim64(args, tile, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96: return ForwardMmaHeadDim96(args, cfg, stream);
+    case 96: return ForwardMmaHeadDim96(args, tile, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return ForwardMmaHeadDim128(args, cfg, stream);
+    case 128: return ForwardMmaHeadDim128(args, tile, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192: return ForwardMmaHeadDim192(args, cfg, stream);
+    case 192: return ForwardMmaHeadDim192(args, tile, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return ForwardMmaHeadDim256(args, cfg, stream);
+    case 256: return ForwardMmaHeadDim256(args, tile, stream);
 #endif
     default: break;
   }

@@ -15,16 +15,31 @@ bool Requests(const CudaConfig& requested, const CudaConfig& tile) {
          (requested.num_stages == 0 || requested.num_stages == tile.num_stages);
 }
 
-std::vector<CudaConfig> MmaForwardTiles(int64_t head_dim) {
+std::vector<CudaConfig> MmaForwardTiles(int64_t head_dim, bool per_element_features) {
   const auto list = [](const auto& tiles) { return std::vector<CudaConfig>(tiles.begin(), tiles.end()); };
+  std::vector<CudaConfig> tiles;
   switch (head_dim) {
-    case 64: return list(kMmaTilesD64);
-    case 96: return list(kMmaTilesD96);
-    case 128: return list(kMmaTilesD128);
-    case 192: return list(kMmaTilesD192);
-    case 256: return list(kMmaTilesD256);
+    case 64: tiles = list(kMmaTilesD64); break;
+    case 96: tiles = list(kMmaTilesD96); break;
+    case 128: tiles = list(kMmaTilesD128); break;
+    case 192: tiles = list(kMmaTilesD192); break;
+    case 256: tiles = list(kMmaTilesD256); break;
     default: return {};
   }
+  if (per_element_features && head_dim <= 128) {
+    const auto narrow = std::find(tiles.begin(), tiles.end(), CudaConfig{64, 64, 4, 2});
+    if (narrow != tiles.end()) std::rotate(tiles.begin(), narrow, narrow + 1);
+  }
+  return tiles;
+}
+
+CudaConfig ChooseMmaForwardTile(int64_t head_dim, bool per_element_features, const CudaConfig& requested) {
+  const std::vector<CudaConfig> tiles = MmaForwardTiles(head_dim, per_element_features);
+  if (tiles.empty()) return CudaConfig{0, 0, 0, 0};
+  for (const CudaConfig& t : tiles) {
+    if (Requests(requested, t)) return t;
+  }
+  return tiles.front();
 }
 
 namespace hopper {

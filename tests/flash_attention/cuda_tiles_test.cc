@@ -3,6 +3,7 @@
 // autotuning, and how a requested config picks a tile. Plain C++: runs without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -121,7 +122,7 @@ TEST(CudaTiles, NoConfigNamesTilesOfBothGenerations) {
   const Tiles hopper_tiles = {hopper::kTileD64,  hopper::kTileD64Pairs, hopper::kTileD128Wide,
                               hopper::kTileD128, hopper::kTileD192,     hopper::kTileD256};
   for (int64_t head_dim : {64, 96, 128, 192, 256}) {
-    const std::vector<CudaConfig> mma = MmaForwardTiles(head_dim);
+    const std::vector<CudaConfig> mma = MmaForwardTiles(head_dim, false);
     ASSERT_FALSE(mma.empty()) << head_dim;
     for (const CudaConfig& m : mma) {
       for (const ForwardTile& h : hopper_tiles) {
@@ -130,9 +131,24 @@ TEST(CudaTiles, NoConfigNamesTilesOfBothGenerations) {
       }
     }
   }
-  EXPECT_EQ(MmaForwardTiles(128).front(), (CudaConfig{128, 64, 4, 2}));
-  EXPECT_EQ(MmaForwardTiles(256).front(), (CudaConfig{128, 64, 8, 2}));
-  EXPECT_TRUE(MmaForwardTiles(80).empty());
+  EXPECT_EQ(MmaForwardTiles(128, false).front(), (CudaConfig{128, 64, 4, 2}));
+  EXPECT_EQ(MmaForwardTiles(256, false).front(), (CudaConfig{128, 64, 8, 2}));
+  EXPECT_TRUE(MmaForwardTiles(80, false).empty());
+}
+
+TEST(MmaForwardTiles, PerElementFeaturesTakeTheNarrowTileUpTo128) {
+  for (int64_t head_dim : {64, 96, 128}) {
+    const std::vector<CudaConfig> plain = MmaForwardTiles(head_dim, false), general = MmaForwardTiles(head_dim, true);
+    EXPECT_EQ(general.front(), (CudaConfig{64, 64, 4, 2})) << head_dim;
+    EXPECT_TRUE(std::is_permutation(plain.begin(), plain.end(), general.begin(), general.end())) << head_dim;
+    // The default follows the call; a named tile is taken as it is.
+    const CudaConfig none{0, 0, 0, 0};
+    EXPECT_EQ(ChooseMmaForwardTile(head_dim, true, none), (CudaConfig{64, 64, 4, 2})) << head_dim;
+    EXPECT_EQ(ChooseMmaForwardTile(head_dim, false, none), plain.front()) << head_dim;
+    EXPECT_EQ(ChooseMmaForwardTile(head_dim, true, plain.front()), plain.front()) << head_dim;
+  }
+  EXPECT_EQ(MmaForwardTiles(256, true), MmaForwardTiles(256, false));
+  EXPECT_EQ(ChooseMmaForwardTile(80, true, CudaConfig{}), (CudaConfig{0, 0, 0, 0}));
 }
 
 TEST(HopperForwardCall, FromParams) {

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 _F32 = jnp.float32
@@ -200,7 +201,7 @@ def _reduce_to_bias(ds: Array, bias_shape: tuple[int, ...]) -> Array:
     return ds
 
 
-def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout, dlse):
+def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout, dlse, bias_grad: bool):
     nq, batch, kv_heads, group, block_q, _ = q.shape
     nk, block_k = k.shape[0], k.shape[3]
     # d lse_i / d logit_ij = P_ij, so lse's cotangent enters through delta.
@@ -224,7 +225,7 @@ def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout,
                 p_dropped, dp = p * z, dp * z
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_dropped.astype(dtype), dob, preferred_element_type=_F32, precision=_EXACT)
             ds = p * (dp - _at(delta, qi)[..., None])  # d loss / d logit (after soft cap and bias)
-            if dbias is not None:
+            if bias_grad:
                 dbias = lax.dynamic_update_index_in_dim(dbias, _reduce_to_bias(ds, bias.shape), qi, 0)
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
@@ -235,7 +236,7 @@ def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout,
             return dk, dv, dq, dbias
 
         dbias0 = None
-        if bias is not None:
+        if bias_grad:
             dbias0 = jnp.zeros((nq, bias.shape[0], bias.shape[1], block_q, block_k), _F32)
         start, stop = _loop_bounds(meta["q_blocks"], kj, nq)
         init = (jnp.zeros(kb.shape, _F32), jnp.zeros(vb.shape, _F32), dq, dbias0)
@@ -245,7 +246,7 @@ def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout,
 
     dq0 = _varying(jnp.zeros(q.shape, _F32), q)
     dq, (dk, dv, dbias) = lax.scan(key_block, dq0, jnp.arange(nk, dtype=jnp.int32))
-    if bias is not None:
+    if bias_grad:
         # [nk, nq, Bb, Hb, bq, bk] -> [Bb, Hb, nq * bq, nk * bk]
         dbias = dbias.transpose(2, 3, 1, 4, 0, 5).reshape(bias.shape).astype(bias.dtype)
     daux = None
@@ -261,17 +262,29 @@ def _attention(st: _Static, q, k, v, bias, aux, mask, meta, seed):
     return _forward(st, q, k, v, bias, aux, mask, meta, seed)
 
 
-def _attention_fwd(st: _Static, q, k, v, bias, aux, mask, meta, seed):
+# Symbolic zeros: a bias that nothing differentiates gets no dbias (its per-block partial sums
+# are the backward's largest buffer), and an unused out or lse needs no cotangent array.
+def _attention_fwd(st: _Static, *primals):
+    q, k, v, bias, aux, mask, meta, seed = jax.tree.map(
+        lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
     out, lse = _forward(st, q, k, v, bias, aux, mask, meta, seed)
-    return (out, lse), (q, k, v, bias, aux, mask, meta, seed, out, lse)
+    # The flag travels as the residuals' structure (None or an empty array).
+    bias_grad = None if bias is None or not primals[3].perturbed else jnp.zeros((0,), jnp.int8)
+    return (out, lse), (q, k, v, bias, aux, mask, meta, seed, out, lse, bias_grad)
 
 
 def _attention_bwd(st: _Static, residuals, cotangents):
-    dq, dk, dv, dbias, daux = _backward(st, *residuals, *cotangents)
+    *inputs, out, lse, bias_grad = residuals
+    dout, dlse = cotangents
+    if isinstance(dout, SymbolicZero):
+        dout = jnp.zeros(out.shape, out.dtype)
+    if isinstance(dlse, SymbolicZero):
+        dlse = jnp.zeros(lse.shape, lse.dtype)
+    dq, dk, dv, dbias, daux = _backward(st, *inputs, out, lse, dout, dlse, bias_grad is not None)
     return dq, dk, dv, dbias, daux, None, None, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _block_bounds(lo: Array, hi: Array, real: Array, n: int, block: int, other_block: int) -> Array:

@@ -22,9 +22,10 @@
 //
 // Tile configs (block_q, block_k, num_warps, num_stages) per head dim: the lists of
 // cuda_tiles.h (kMmaTilesD64, ...), instantiated in cuda_mma_forward_hdim*.cu (DispatchTiles);
-// the first is the default, taken for any other requested config. A config whose shared
-// memory exceeds the device's limit falls back to the next one that fits (sm_80 and sm_86
-// have less shared memory per block than sm_90).
+// ForwardMma turns a config that names none of them into the call's default
+// (ChooseMmaForwardTile). A config whose shared memory exceeds the device's limit falls back
+// to the next one that fits, in list order (sm_80 and sm_86 have less shared memory per block
+// than sm_90).
 #pragma once
 
 #include <cuda_bf16.h>

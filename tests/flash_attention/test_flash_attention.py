@@ -30,6 +30,7 @@ VARLEN_TILES = ((0, 150, 150, 151, 228, 488), (0, 200, 205, 206, 206, 506), 500,
 
 
 def _packed(q_lengths: list[int], k_lengths: list[int], pad_q: int, pad_k: int) -> tuple:
+    """A packed layout (VARLEN's form) of these lengths, with pad_q rows and pad_k keys after."""
     cu_q, cu_k = np.cumsum([0, *q_lengths]), np.cumsum([0, *k_lengths])
     return tuple(map(int, cu_q)), tuple(map(int, cu_k)), int(cu_q[-1]) + pad_q, int(cu_k[-1]) + pad_k
 
@@ -424,10 +425,9 @@ def random_varlen(rng: np.random.Generator, max_len: int) -> tuple:
         return [int(rng.choice([0, 1, rng.integers(2, max(3, max_len // count))])) for _ in range(count)]
 
     q_lengths, k_lengths = lengths(), lengths()
-    cu_q, cu_k = np.cumsum([0, *q_lengths]), np.cumsum([0, *k_lengths])
-    rows = int(cu_q[-1] + rng.integers(0, 12)) or 1
-    keys = int(cu_k[-1] + rng.integers(0, 12)) or 1
-    return tuple(map(int, cu_q)), tuple(map(int, cu_k)), rows, keys
+    pad_q, pad_k = int(rng.integers(0, 12)), int(rng.integers(0, 12))
+    cu_q, cu_k, rows, keys = _packed(q_lengths, k_lengths, pad_q, pad_k)
+    return cu_q, cu_k, rows or 1, keys or 1
 
 
 def random_case(rng: np.random.Generator, name: str, max_len: int, max_scores: float) -> Case:

@@ -165,7 +165,7 @@ def _attention_fn(static: _Static):
             dlse = _placeholder(None, jnp.float32)
         else:
             operands |= _HAS_DLSE
-        wants_dbias = bias is not None and bias_grad is not None
+        wants_dbias = bias_grad is not None  # never without a bias
         if bias is not None and not wants_dbias:
             operands |= _NO_BIAS_GRAD
         results = [

@@ -55,10 +55,9 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
 
 // Hopper kernels (wgmma, TMA, warp specialisation), sm_90a only; a subset of the features.
 // HopperSupports says which calls they take on `device`; the rest run on the mma.sync kernels.
-// HopperSupportsKind is the part of it that depends only on the dtype, the head dim and the
+// HopperSupportsKind is the part of it that depends only on the dtype, the shapes and the
 // features (the registry asks it of a call's signature).
-Status HopperSupportsKind(DType dtype, int64_t head_dim, bool bias, bool mask, bool dropout,
-                          const CudaDeviceInfo& device);
+Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dropout, const CudaDeviceInfo& device);
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
 // `cfg` picks one of hopper::ForwardTiles for the call (any other config runs the default).
 Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

@@ -256,19 +256,20 @@ std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
   const std::string dtype_name = signature.value("dtype", std::string());
   DType dtype;
   if (!UnsupportedReason(dtype_name, head_dim).empty() || !DTypeFromName(dtype_name, &dtype)) return {};
-  if (HopperSupportsKind(dtype, head_dim, HasFeature(signature, "bias"), HasFeature(signature, "attention_mask"),
-                         HasFeature(signature, "dropout"), CurrentCudaDevice())
-          .ok()) {
-    hopper::ForwardCall call;
-    call.head_dim = head_dim;
-    call.seqlen_q = signature.value("seqlen_q", int64_t{0});
-    call.seqlen_k = signature.value("seqlen_k", int64_t{0});
-    call.varlen = HasFeature(signature, "cum_seqlens");
-    call.causal = HasFeature(signature, "causal");
-    call.window_left = signature.value("window_left", int64_t{-1});
-    call.window_right = signature.value("window_right", int64_t{-1});
-    call.soft_cap = HasFeature(signature, "logits_soft_cap");
-    call.segment_ids = HasFeature(signature, "segment_ids");
+  hopper::ForwardCall call;
+  call.head_dim = head_dim;
+  call.seqlen_q = signature.value("seqlen_q", int64_t{0});
+  call.seqlen_k = signature.value("seqlen_k", int64_t{0});
+  call.varlen = HasFeature(signature, "cum_seqlens");
+  call.causal = HasFeature(signature, "causal");
+  call.window_left = signature.value("window_left", int64_t{-1});
+  call.window_right = signature.value("window_right", int64_t{-1});
+  call.soft_cap = HasFeature(signature, "logits_soft_cap");
+  call.segment_ids = HasFeature(signature, "segment_ids");
+  call.bias = HasFeature(signature, "bias");
+  call.mask = HasFeature(signature, "attention_mask");
+  call.bias_dtype_matches = signature.value("bias_dtype", dtype_name) == dtype_name;
+  if (HopperSupportsKind(dtype, call, HasFeature(signature, "dropout"), CurrentCudaDevice()).ok()) {
     std::vector<CudaConfig> tiles;
     for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());
     return tiles;

@@ -91,6 +91,36 @@ Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtens
   return Status::Ok();
 }
 
+namespace {
+
+// A bias (bf16/f16) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb) with
+// boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle.
+Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
+  if (encode == nullptr) return Status::Internal("hopper flash attention: cuTensorMapEncodeTiled unavailable");
+  const int64_t element = DTypeSize(t.dtype);
+  const cuuint64_t global_dim[4] = {static_cast<cuuint64_t>(t.shape[3]), static_cast<cuuint64_t>(t.shape[2]),
+                                    static_cast<cuuint64_t>(t.shape[1]), static_cast<cuuint64_t>(t.shape[0])};
+  const cuuint64_t global_stride[3] = {static_cast<cuuint64_t>(t.strides[2] * element),
+                                       static_cast<cuuint64_t>(t.strides[1] * element),
+                                       static_cast<cuuint64_t>(t.strides[0] * element)};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / element), static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t element_stride[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = t.dtype == DType::kF16    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                   : t.dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  const CUresult r = encode(map, type, 4, t.data, global_dim, global_stride, box, element_stride,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal(std::string("hopper flash attention: tensor map for ") + name + " " + t.ToString() +
+                            " failed (CUresult " + std::to_string(static_cast<int>(r)) + ")");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 void SetSection(int section, KernelParams* kp) {
   kp->section = section;
   kp->div_section = FastDivisor(section);
@@ -104,6 +134,14 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.k, block_n, "key", &kp->tma_k));
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.v, block_n, "value", &kp->tma_v));
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.out, 64, "output", &kp->tma_out));
+  const TensorView& dense = p.bias.present() ? p.bias : p.mask;
+  kp->dense_per_batch = kp->dense_per_head = 0;
+  kp->bias_to_score = 1.0f / p.softmax_scale;
+  if (dense.present()) {
+    EJK_RETURN_IF_ERROR(MakeDenseTensorMap(dense, block_m, p.bias.present() ? "bias" : "mask", &kp->tma_dense));
+    kp->dense_per_batch = dense.dim(0) > 1;
+    kp->dense_per_head = dense.dim(1) > 1;
+  }
   kp->out = p.out.data;
   kp->lse = p.lse.present() ? p.lse.ptr<float>() : nullptr;
   kp->sinks = p.softmax_aux.present() ? p.softmax_aux.data : nullptr;
@@ -252,32 +290,30 @@ namespace {
 Status HopperUnsupported(const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); }
 }  // namespace
 
-Status HopperSupportsKind(DType dtype, int64_t head_dim, bool bias, bool mask, bool dropout,
-                          const CudaDeviceInfo& device) {
+Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dropout, const CudaDeviceInfo& device) {
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return HopperUnsupported(why);
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return HopperUnsupported(std::string("query dtype must be bf16 or f16, got ") + DTypeName(dtype));
   }
-  if (!hopper::HeadDimBuilt(head_dim)) {
-    return HopperUnsupported("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(head_dim));
+  if (!hopper::HeadDimBuilt(call.head_dim)) {
+    return HopperUnsupported("head_dim must be 64, 96, 128, 192 or 256 (as built), got " +
+                             std::to_string(call.head_dim));
   }
-  if (bias) return HopperUnsupported("bias is not supported");
-  if (mask) return HopperUnsupported("mask is not supported");
+  if (std::string why = hopper::DenseUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
   if (dropout) return HopperUnsupported("dropout is not supported");
   return Status::Ok();
 }
 
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
   EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(p));
-  EJK_RETURN_IF_ERROR(HopperSupportsKind(p.q.dtype, dims.head_dim, p.bias.present(), p.mask.present(),
-                                         p.dropout_prob > 0.0f, device));
+  EJK_RETURN_IF_ERROR(HopperSupportsKind(p.q.dtype, hopper::ForwardCallOf(p, dims), p.dropout_prob > 0.0f, device));
   if (!(p.softmax_scale > 0.0f)) return HopperUnsupported("softmax_scale must be positive");
   if (dims.seqlen_k == 0) return HopperUnsupported("seqlen_k must be positive");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return HopperUnsupported("sequence lengths too large");
   if (((dims.seqlen_q + 63) / 64 + dims.num_sequences + 1) * dims.num_q_heads * dims.batch >= (int64_t{1} << 31)) {
     return HopperUnsupported("too many query tiles (batch * num_q_heads * seqlen_q / 64 must be < 2^31)");
   }
-  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out}) {
+  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out, &p.bias, &p.mask}) {
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return HopperUnsupported("tensors must be 16-byte aligned");
   }
   return Status::Ok();

@@ -25,7 +25,9 @@
 // GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), segment ids, lse output.
 // Segment ids mask every key tile element-wise; given scratch, two small kernels first find,
 // per query tile, the first and last key tile whose ids meet its rows', and the tile visits
-// those and the ones between only (NarrowToSegments).
+// those and the ones between only (NarrowToSegments). A dense bias or attention mask (one of
+// them, head dims up to 128) comes as a [kBlockM x kBlockN] tile per key tile, loaded by TMA
+// with the tile's V and read by the softmax from shared memory.
 //
 // Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, one
 // block per 64 columns of the head dimension, as TMA writes them and wgmma reads them: Q and
@@ -66,7 +68,11 @@ struct TileConstants {
                        kMaxPairedMBlocks = kTile.max_paired_m_blocks;
 };
 
-template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, bool kSegments = false>
+// The per-element feature a kernel reads with each key tile (a template parameter): none,
+// segment ids (the keys' ids), or a dense bias or attention mask ([kBlockM x kBlockN] tile).
+enum class Elementwise { kNone, kSegmentIds, kBias, kMask };
+
+template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, Elementwise kFeature = Elementwise::kNone>
 struct SmemLayout {
   static constexpr int kBlockM = 64 * kWarpgroups;
   static constexpr int kBlockN = kBlockN_;
@@ -86,11 +92,20 @@ struct SmemLayout {
   static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
   static constexpr int kKvBytes = 2 * kStages * kKvTileBytes;
   static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
-  // Segment ids: the kv segment ids of each stage's key tile (kSegments kernels).
-  static constexpr int kSegmentBytes = kSegments ? kStages * kBlockN * 4 : 0;
+  // Segment ids: the kv segment ids of each stage's key tile.
+  static constexpr int kSegmentBytes = kFeature == Elementwise::kSegmentIds ? kStages * kBlockN * 4 : 0;
+  // A bias (bf16/f16) or mask (bytes) tile per stage: [kBlockM][128 bytes] blocks of 64 or 128
+  // keys in the 128-byte swizzle, as TMA writes them.
+  static constexpr int kDenseElementBytes = kFeature == Elementwise::kBias ? 2 : 1;
+  static constexpr bool kDense = kFeature == Elementwise::kBias || kFeature == Elementwise::kMask;
+  static constexpr int kDenseBlockKeys = 128 / kDenseElementBytes;
+  static constexpr int kDenseBlockBytes = kBlockM * 128;
+  static constexpr int kDenseTileBytes = kDense ? kBlockM * kBlockN * kDenseElementBytes : 0;
+  static constexpr int kDenseBytes = kStages * kDenseTileBytes;
   // Two Q slots where shared memory allows: the next tile's Q loads during the current tile,
   // and a finished tile's slot stages its O for a bulk tensor store.
-  static constexpr int kQStages = 2 * kQTileBytes + kKvBytes + kBarrierBytes + kSegmentBytes + 1024 <= 232448 ? 2 : 1;
+  static constexpr int kQStages =
+      2 * kQTileBytes + kKvBytes + kDenseBytes + kBarrierBytes + kSegmentBytes + 1024 <= 232448 ? 2 : 1;
   // Causal tiles of short sequences on a persistent grid in pairs (ScheduledTile), where the
   // next tile's Q can load early (two Q slots). d256 (one Q slot) measured 3% slower paired at
   // 32 x 512 on H100; with three consumer warpgroups (d64) the pairing code alone slowed the
@@ -103,17 +118,18 @@ struct SmemLayout {
   // fits (176-key tiles at d128). With two, dense O leaves through the Q slot, and the code
   // for this path, unused there but for packed sequences, measured ~1% slower (code size).
   static constexpr int kWarpStoreBytes = 16 * 128;
-  static constexpr bool kWarpStaging = kQStages == 1 && kVOffset + kStages * kKvTileBytes +
-                                                            4 * kWarpgroups * kWarpStoreBytes + kBarrierBytes +
-                                                            kSegmentBytes + 1024 <=
+  static constexpr int kDenseOffset = kVOffset + kStages * kKvTileBytes;
+  static constexpr bool kWarpStaging = kQStages == 1 && kDenseOffset + kDenseBytes + 4 * kWarpgroups * kWarpStoreBytes +
+                                                            kBarrierBytes + kSegmentBytes + 1024 <=
                                                         232448;
-  static constexpr int kWarpStoreOffset = kVOffset + kStages * kKvTileBytes;
+  static constexpr int kWarpStoreOffset = kDenseOffset + kDenseBytes;
   static constexpr int kBarrierOffset = kWarpStoreOffset + (kWarpStaging ? 4 * kWarpgroups * kWarpStoreBytes : 0);
   // q_full, q_empty per Q slot (two, used or not), then k_full, k_empty, v_full, v_empty per stage.
   static constexpr int kSegmentOffset = kBarrierOffset + kBarrierBytes;
   static constexpr int kBytes = kSegmentOffset + kSegmentBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "tile");
+  static_assert(!kDense || kBlockN % kDenseBlockKeys == 0, "a dense tile is whole 128-byte rows");
   static_assert(kAllocBytes <= 232448, "shared memory");
 };
 
@@ -121,6 +137,11 @@ struct SmemLayout {
 struct KernelParams {
   CUtensorMap tma_q, tma_k, tma_v;
   CUtensorMap tma_out;  // boxes of 64 rows: each consumer warpgroup stores its own rows
+  // The bias or mask [Bb, Hb, Sq, Sk] as (Sk, Sq, Hb, Bb), boxes of 128 bytes x kBlockM rows
+  // (dense kernels only); a dimension of 1 broadcasts (coordinate 0).
+  CUtensorMap tma_dense;
+  int dense_per_batch, dense_per_head;  // Bb > 1, Hb > 1
+  float bias_to_score;                  // 1 / softmax scale: a bias in raw q.k units
   void* out;
   float* lse;
   const void* sinks;  // [Hq], any float dtype, or null
@@ -663,12 +684,17 @@ __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* h
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-// kSegments: segment ids, masked element-wise in every key tile (dense calls only).
-template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap, bool kSegments>
+// kFeature: segment ids (never with packed sequences), a bias or a mask, applied element-wise
+// in every key tile.
+template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap, Elementwise kFeature>
 __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
   using namespace device;
-  using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages, kSegments>;
+  using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages, kFeature>;
+  constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
+  constexpr bool kDense = L::kDense;
+  // Features whose per-key-tile data the V barrier guards: the softmax waits for it.
+  constexpr bool kStagedKeys = kFeature != Elementwise::kNone;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kColBlocks = L::kColBlocks;
   constexpr bool kPairedSchedule = L::kPairedSchedule;
@@ -679,10 +705,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   // within noise or slower (the vote and the branch cost what the multiplies did), so 0 there.
   constexpr float kMaxSlack = kHeadDim >= 256 ? 8.0f : 0.0f;
   // Partial last key tiles (see issue_qk); not with three consumer warpgroups (d64), a soft
-  // cap or segment ids, whose registers cannot hold the extra wgmma code paths: ptxas would
-  // serialise every wgmma of the kernel.
+  // cap or a per-element feature, whose registers cannot hold the extra wgmma code paths:
+  // ptxas would serialise every wgmma of the kernel.
   constexpr int kPartialN = 64;
-  constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap && !kSegments;
+  constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap && !kStagedKeys;
   // A band's other half-masked key tile, the last one visited, narrowed to its last kPartialN
   // keys for the warpgroups whose rows see no others: the d96/d128 masked kernels only, which
   // serve the bands.
@@ -724,6 +750,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     PrefetchTmaDescriptor(&p.tma_k);
     PrefetchTmaDescriptor(&p.tma_v);
     if constexpr (kQStages == 2) PrefetchTmaDescriptor(&p.tma_out);
+    if constexpr (kDense) PrefetchTmaDescriptor(&p.tma_dense);
   }
   __syncthreads();
 
@@ -792,7 +819,16 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
               continue;
             }
           }
-          MbarExpectTx(v_full(s), L::kKvTileBytes);
+          MbarExpectTx(v_full(s), L::kKvTileBytes + L::kDenseTileBytes);
+          if constexpr (kDense) {
+            // Rows and keys past the tensor are zero-filled (masked or never stored).
+#pragma unroll
+            for (int b = 0; b < kBlockN / L::kDenseBlockKeys; ++b) {
+              TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::kDenseBlockBytes, &p.tma_dense,
+                        v_full(s), t.k_begin + n * kBlockN + b * L::kDenseBlockKeys, t.q_begin + t.m0,
+                        p.dense_per_head ? head : 0, p.dense_per_batch ? batch : 0);
+            }
+          }
 #pragma unroll
           for (int b = 0; b < kColBlocks; ++b) {
             TmaLoad4d(v_smem + s * L::kKvTileBytes + b * L::kKvBlockBytes, &p.tma_v, v_full(s), b * 64, kv_head,
@@ -959,17 +995,58 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
               }
             }
           }
-        } else if (masked) {
+        } else {
+          if constexpr (kDense) {
+            // The tile's bias or mask, in the shared memory of the stage that holds it (the
+            // caller waited for its V barrier). Row g + 8r of the warp's 16 is local row
+            // wg * 64 + warp * 16 + g + 8r, whose 16-byte chunks are swizzled by g.
+            const int g = lane / 4;
+            const uint32_t tile = smem + L::kDenseOffset + stage * L::kDenseTileBytes + (wg * 64 + warp * 16 + g) * 128;
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            int lo, hi;
-            visible_columns(r, &lo, &hi);
+            for (int r = 0; r < 2; ++r) {
 #pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j) {
+              for (int j = 0; j < kBlockN / 8; ++j) {
+                if constexpr (kFeature == Elementwise::kBias) {
+                  // Keys 8j + 2t, +1: 16-byte chunk j % 8 of block j / 8.
+                  uint32_t pair;
+                  asm volatile("ld.shared.b32 %0, [%1];\n"
+                               : "=r"(pair)
+                               : "r"(tile + r * 8 * 128 + (j / 8) * L::kDenseBlockBytes + (((j % 8) ^ g) * 16) + 4 * t4)
+                               : "memory");
+                  float2 bias;
+                  if constexpr (kF16) {
+                    bias = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+                  } else {
+                    bias = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+                  }
+                  s[4 * j + 2 * r] = fmaf(bias.x, p.bias_to_score, s[4 * j + 2 * r]);
+                  s[4 * j + 2 * r + 1] = fmaf(bias.y, p.bias_to_score, s[4 * j + 2 * r + 1]);
+                } else {
+                  // Keys 8j + 2t, +1: bytes of 16-byte chunk j / 2 (of 8 per 128-key block).
+                  uint16_t pair;
+                  asm volatile("ld.shared.u16 %0, [%1];\n"
+                               : "=h"(pair)
+                               : "r"(tile + r * 8 * 128 + (j / 16) * L::kDenseBlockBytes +
+                                     ((((j / 2) % 8) ^ g) * 16) + (j % 2) * 8 + 2 * t4)
+                               : "memory");
+                  if ((pair & 0xffu) == 0) s[4 * j + 2 * r] = -INFINITY;
+                  if ((pair >> 8) == 0) s[4 * j + 2 * r + 1] = -INFINITY;
+                }
+              }
+            }
+          }
+          if (masked) {
 #pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int col = 8 * j + c;
-                if (col >= hi || col < lo) s[4 * j + 2 * r + c] = -INFINITY;
+            for (int r = 0; r < 2; ++r) {
+              int lo, hi;
+              visible_columns(r, &lo, &hi);
+#pragma unroll
+              for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                  const int col = 8 * j + c;
+                  if (col >= hi || col < lo) s[4 * j + 2 * r + c] = -INFINITY;
+                }
               }
             }
           }
@@ -1062,7 +1139,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         }
         pending_slot = -1;
       }
-      if constexpr (kSegments) MbarWait(v_full(stage), (kv_iter / kStages) & 1);
+      if constexpr (kStagedKeys) MbarWait(v_full(stage), (kv_iter / kStages) & 1);
       softmax(tl.n_end - 1, stage, correction);
       convert();
 
@@ -1095,7 +1172,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           for (int i = 0; i < kFirst; ++i) s[i] = -INFINITY;
         }
         release(k_empty(stage));
-        if constexpr (kSegments) MbarWait(v_full(stage), ((kv_iter + it) / kStages) & 1);
+        if constexpr (kStagedKeys) MbarWait(v_full(stage), ((kv_iter + it) / kStages) & 1);
         softmax(tl.n_end - 1 - it, stage, correction);
         WgmmaWait<0>();
         FenceRegisters(o);
@@ -1248,6 +1325,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // A bf16/f16 [B, S, H, D] tensor as a 4-d TMA map (D, H, S, B) with boxes of 64 x 1 x
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
+// Also the bias or mask's map (boxes of 128 bytes x block_m rows) where the call has one.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
 // Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of
 // their decode; PrepareKernelParams sets plain head-major order (1).
@@ -1259,16 +1337,17 @@ Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
 
-template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap, bool kSegments>
+template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
-  using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kSegments>;
+  using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kFeature>;
+  constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
   static_assert(C::kMaxPairedMBlocks == 0 || L::kPairedSchedule, "pairs need two Q slots and two consumer warpgroups");
   KernelParams kp;
   EJK_RETURN_IF_ERROR(PrepareKernelParams(args, L::kBlockM, L::kBlockN, &kp));
   if constexpr (kSegments) EJK_RETURN_IF_ERROR(PrepareSegmentBounds(args, L::kBlockM, L::kBlockN, &kp, stream));
   EJK_ASSIGN_OR_RETURN(const int num_sms, CurrentDeviceSms());
   void (*kernel)(const KernelParams) =
-      ForwardKernel<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kF16, kSoftcap, kSegments>;
+      ForwardKernel<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kF16, kSoftcap, kFeature>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
@@ -1303,59 +1382,71 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
 
 // Launches the tile ChooseForwardTile picks for the call. The shapes built for calls of this
 // kind are ForwardTiles' (cuda_tiles.h): d64's two, d96/d128's 176-key tile for unmasked calls
-// without a soft cap besides the 128-key one, and one otherwise.
-template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap, bool kSegments>
+// without a soft cap besides the 128-key one, kTileDense for a bias or mask, and one otherwise.
+template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   const ForwardTile tile = ChooseForwardTile(ForwardCallOf(args.p, args.dims), cfg);
   if constexpr (kHeadDim == 64) {
-    if constexpr (!kSegments) {
+    if constexpr (kFeature == Elementwise::kBias || kFeature == Elementwise::kMask) {
+      if (tile == kTileDense) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileDense>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
+    } else if constexpr (kFeature == Elementwise::kNone) {
       if (tile == kTileD64Pairs) {
-        return LaunchConfig<kHeadDim, TileConstants<kTileD64Pairs>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+        return LaunchConfig<kHeadDim, TileConstants<kTileD64Pairs>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
     }
-    if (tile == kTileD64) {
-      return LaunchConfig<kHeadDim, TileConstants<kTileD64>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+    if constexpr (kFeature != Elementwise::kBias && kFeature != Elementwise::kMask) {
+      if (tile == kTileD64) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileD64>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
     }
   } else if constexpr (kHeadDim == 96 || kHeadDim == 128) {
-    if constexpr (!kMasked && !kSoftcap && !kSegments) {
+    if constexpr (kFeature == Elementwise::kBias || kFeature == Elementwise::kMask) {
+      if (tile == kTileDense) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileDense>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
+    } else if constexpr (!kMasked && !kSoftcap && kFeature == Elementwise::kNone) {
       if (tile == kTileD128Wide) {
-        return LaunchConfig<kHeadDim, TileConstants<kTileD128Wide>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+        return LaunchConfig<kHeadDim, TileConstants<kTileD128Wide>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
     }
-    if (tile == kTileD128) {
-      return LaunchConfig<kHeadDim, TileConstants<kTileD128>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+    if constexpr (kFeature != Elementwise::kBias && kFeature != Elementwise::kMask) {
+      if (tile == kTileD128) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileD128>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
     }
   } else if constexpr (kHeadDim == 192) {
     if (tile == kTileD192) {
-      return LaunchConfig<kHeadDim, TileConstants<kTileD192>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+      return LaunchConfig<kHeadDim, TileConstants<kTileD192>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
     }
   } else {
     static_assert(kHeadDim == 256, "head dims 64, 96, 128, 192 and 256");
     if (tile == kTileD256) {
-      return LaunchConfig<kHeadDim, TileConstants<kTileD256>, kMasked, kF16, kSoftcap, kSegments>(args, stream);
+      return LaunchConfig<kHeadDim, TileConstants<kTileD256>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
     }
   }
   return Status::Internal("hopper flash attention: no kernel built for tile " + ToString(tile) + " at head_dim " +
                           std::to_string(kHeadDim));
 }
 
-template <int kHeadDim, bool kMasked, bool kSoftcap, bool kSegments>
+template <int kHeadDim, bool kMasked, bool kSoftcap, Elementwise kFeature>
 Status LaunchDType(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   if (args.p.q.dtype != DType::kF16) {
-    return LaunchKernel<kHeadDim, kMasked, false, kSoftcap, kSegments>(args, cfg, stream);
+    return LaunchKernel<kHeadDim, kMasked, false, kSoftcap, kFeature>(args, cfg, stream);
   }
   if constexpr (kFloat16Built) {
-    return LaunchKernel<kHeadDim, kMasked, true, kSoftcap, kSegments>(args, cfg, stream);
+    return LaunchKernel<kHeadDim, kMasked, true, kSoftcap, kFeature>(args, cfg, stream);
   } else {
     return FeatureNotBuilt("float16");
   }
 }
 
-template <int kHeadDim, bool kMasked, bool kSegments>
+template <int kHeadDim, bool kMasked, Elementwise kFeature>
 Status LaunchMasked(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  if (args.p.logits_soft_cap <= 0.0f) return LaunchDType<kHeadDim, kMasked, false, kSegments>(args, cfg, stream);
+  if (args.p.logits_soft_cap <= 0.0f) return LaunchDType<kHeadDim, kMasked, false, kFeature>(args, cfg, stream);
   if constexpr (kSoftCapBuilt) {
-    return LaunchDType<kHeadDim, kMasked, true, kSegments>(args, cfg, stream);
+    return LaunchDType<kHeadDim, kMasked, true, kFeature>(args, cfg, stream);
   } else {
     return FeatureNotBuilt("logits_soft_cap");
   }
@@ -1365,7 +1456,24 @@ Status LaunchMasked(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
 // instantiated per head dim in cuda_hopper_forward_segments_hdim*.cu.
 template <int kHeadDim>
 Status LaunchSegments(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  return LaunchMasked<kHeadDim, true, true>(args, cfg, stream);
+  return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds>(args, cfg, stream);
+}
+
+// Calls with a bias or an attention mask (DenseUnsupportedReason: one of them, no soft cap,
+// head dims up to 128); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
+template <int kHeadDim>
+Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if constexpr (kHeadDim <= 128) {
+    const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
+    if (args.p.bias.present()) {
+      return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBias>(args, cfg, stream)
+                    : LaunchDType<kHeadDim, false, false, Elementwise::kBias>(args, cfg, stream);
+    }
+    return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kMask>(args, cfg, stream)
+                  : LaunchDType<kHeadDim, false, false, Elementwise::kMask>(args, cfg, stream);
+  } else {
+    return Status::Internal("hopper flash attention: no bias or mask kernel at head_dim " + std::to_string(kHeadDim));
+  }
 }
 
 template <int kHeadDim>
@@ -1377,8 +1485,10 @@ Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t s
       return FeatureNotBuilt("segment_ids");
     }
   }
-  return CausalOrWindow(ForwardCallOf(args.p, args.dims)) ? LaunchMasked<kHeadDim, true, false>(args, cfg, stream)
-                                                          : LaunchMasked<kHeadDim, false, false>(args, cfg, stream);
+  if (args.p.bias.present() || args.p.mask.present()) return LaunchDense<kHeadDim>(args, cfg, stream);
+  return CausalOrWindow(ForwardCallOf(args.p, args.dims))
+             ? LaunchMasked<kHeadDim, true, Elementwise::kNone>(args, cfg, stream)
+             : LaunchMasked<kHeadDim, false, Elementwise::kNone>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention::hopper

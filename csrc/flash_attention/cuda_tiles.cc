@@ -55,7 +55,24 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   c.window_right = p.window_right;
   c.soft_cap = p.logits_soft_cap > 0.0f;
   c.segment_ids = p.q_segment_ids.present();
+  c.bias = p.bias.present();
+  c.mask = p.mask.present();
+  c.bias_dtype_matches = !c.bias || p.bias.dtype == p.q.dtype;
   return c;
+}
+
+std::string DenseUnsupportedReason(const ForwardCall& c) {
+  if (!c.bias && !c.mask) return "";
+  if (c.bias && c.mask) return "bias with an attention mask is not supported";
+  if (c.segment_ids) return "bias or mask with segment ids is not supported";
+  // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
+  if (c.varlen) return "bias or mask with packed sequences is not supported";
+  if (c.head_dim > 128) return "bias or mask above head_dim 128 is not supported";
+  if (c.soft_cap) return "bias or mask with logits_soft_cap is not supported";
+  if (c.bias && !c.bias_dtype_matches) return "the bias dtype must be the query's";
+  if (c.bias && c.seqlen_k % 8 != 0) return "a bias needs seqlen_k a multiple of 8";
+  if (c.mask && c.seqlen_k % 16 != 0) return "a mask needs seqlen_k a multiple of 16";
+  return "";
 }
 
 void WindowSides(const ForwardCall& c, int* left, int* right) {
@@ -82,13 +99,16 @@ std::vector<ForwardTile> ForwardTiles(const ForwardCall& c) {
   // Segment ids take the masked calls' tiles, and no alternative is built for them.
   const bool masked = c.segment_ids || CausalOrWindow(c);
   const bool short_call = !c.segment_ids && ShortCall(c, kShortSeqlen, kShortSeqlen);
+  const bool dense = c.bias || c.mask;
   switch (c.head_dim) {
     case 64:
+      if (dense) return {kTileDense};
       if (c.segment_ids) return {kTileD64};
       if (masked && short_call) return {kTileD64Pairs, kTileD64};
       return {kTileD64, kTileD64Pairs};
     case 96:
     case 128:
+      if (dense) return {kTileDense};
       if (masked || c.soft_cap) return {kTileD128};
       if (short_call) return {kTileD128, kTileD128Wide};
       return {kTileD128Wide, kTileD128};

@@ -91,12 +91,16 @@ struct ForwardTile {
 //   216 KB. 96-key tiles (room for O through shared memory) measured 26-30% slower (ptxas
 //   serialised their wgmma).
 // - d256: 80-key tiles, one Q slot.
+// - A dense bias or attention mask (head dims up to 128): its [128 x 128] tile per key tile
+//   goes through shared memory with K and V, two stages of all three; at d96/d128 that leaves
+//   room for one Q slot (a bias) or two (a mask).
 inline constexpr ForwardTile kTileD64 = {3, 128, 4, 0};
 inline constexpr ForwardTile kTileD64Pairs = {2, 128, 4, 8};
 inline constexpr ForwardTile kTileD128Wide = {2, 176, 2, 0};
 inline constexpr ForwardTile kTileD128 = {2, 128, 2, 16};
 inline constexpr ForwardTile kTileD192 = {2, 112, 2, 0};
 inline constexpr ForwardTile kTileD256 = {2, 80, 2, 0};
+inline constexpr ForwardTile kTileDense = {2, 128, 2, 0};
 // Calls of at most this many queries and keys (no band, no packed sequences) are short: their
 // tiles' start-up and epilogue weigh more.
 inline constexpr int64_t kShortSeqlen = 1024;
@@ -110,9 +114,17 @@ struct ForwardCall {
   int64_t window_left = -1, window_right = -1;  // < 0: unbounded side
   bool soft_cap = false;
   bool segment_ids = false;
+  bool bias = false, mask = false;  // a dense bias / attention mask ([B|1, H|1, Sq, Sk])
+  bool bias_dtype_matches = true;   // the bias has the query's dtype
 };
 
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
+
+// Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
+// the call has neither). It takes one of them (not both, nor with segment ids or packed
+// sequences) at head dims up to 128 (shared memory), without a soft cap, a bias of the query's dtype, and rows of a multiple of 16 bytes
+// (a tensor map's strides): seqlen_k a multiple of 8 for a bias, of 16 for a mask.
+std::string DenseUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff
 // i + offset - left <= j < i + offset + right + 1. Sides beyond Sq + Sk hide nothing and are
@@ -129,7 +141,7 @@ bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k)
 // The tiles the Hopper forward can run this call with, the default (the rule above, tuned on
 // H100) first, then the alternatives built and tested for calls of its kind: d64 without
 // segment ids, two warpgroups or three; d96/d128 without masks, soft cap or segment ids,
-// 128-key tiles or 176. Empty for a head dim without Hopper kernels.
+// 128-key tiles or 176; a bias or mask, kTileDense. Empty for a head dim without Hopper kernels.
 std::vector<ForwardTile> ForwardTiles(const ForwardCall& c);
 // The first of ForwardTiles(c) that `requested` names (Requests), else the default.
 ForwardTile ChooseForwardTile(const ForwardCall& c, const CudaConfig& requested);

@@ -151,6 +151,47 @@ TEST(MmaForwardTiles, PerElementFeaturesTakeTheNarrowTileUpTo128) {
   EXPECT_EQ(ChooseMmaForwardTile(80, true, CudaConfig{}), (CudaConfig{0, 0, 0, 0}));
 }
 
+ForwardCall WithBias(ForwardCall c) {
+  c.bias = true;
+  return c;
+}
+
+ForwardCall WithMask(ForwardCall c) {
+  c.mask = true;
+  return c;
+}
+
+TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTileUpToHeadDim128) {
+  for (int64_t head_dim : {64, 96, 128}) {
+    EXPECT_EQ(ForwardTiles(WithBias(Call(head_dim, 4096, 4096))), (Tiles{hopper::kTileDense})) << head_dim;
+    EXPECT_EQ(ForwardTiles(Causal(WithMask(Call(head_dim, 512, 512)))), (Tiles{hopper::kTileDense})) << head_dim;
+    EXPECT_EQ(hopper::DenseUnsupportedReason(WithBias(Call(head_dim, 300, 264))), "");
+    EXPECT_EQ(hopper::DenseUnsupportedReason(WithMask(Call(head_dim, 300, 272))), "");
+  }
+  EXPECT_EQ(hopper::DenseUnsupportedReason(Call(256, 300, 300)), "");  // neither
+}
+
+TEST(HopperForwardTiles, BiasOrMaskTheDenseTileCannotTakeSaysWhy) {
+  const auto reason = [](ForwardCall c) { return hopper::DenseUnsupportedReason(c); };
+  EXPECT_NE(reason(WithMask(WithBias(Call(128, 256, 256)))).find("bias with an attention mask"), std::string::npos);
+  EXPECT_NE(reason(WithBias(Call(192, 256, 256))).find("head_dim 128"), std::string::npos);
+  ForwardCall capped = WithBias(Call(64, 256, 256));
+  capped.soft_cap = true;
+  EXPECT_NE(reason(capped).find("logits_soft_cap"), std::string::npos);
+  ForwardCall f32_bias = WithBias(Call(64, 256, 256));
+  f32_bias.bias_dtype_matches = false;
+  EXPECT_NE(reason(f32_bias).find("dtype"), std::string::npos);
+  ForwardCall segments = WithMask(Call(64, 256, 256));
+  segments.segment_ids = true;
+  EXPECT_NE(reason(segments).find("segment ids"), std::string::npos);
+  ForwardCall packed = WithBias(Call(64, 256, 256));
+  packed.varlen = true;
+  EXPECT_NE(reason(packed).find("packed sequences"), std::string::npos);
+  // Rows of the tensor map must be whole 16-byte units.
+  EXPECT_NE(reason(WithBias(Call(64, 256, 260))).find("multiple of 8"), std::string::npos);
+  EXPECT_NE(reason(WithMask(Call(64, 256, 264))).find("multiple of 16"), std::string::npos);
+}
+
 TEST(HopperForwardCall, FromParams) {
   ForwardParams p;
   p.causal = true;
@@ -174,6 +215,16 @@ TEST(HopperForwardCall, FromParams) {
   p.logits_soft_cap = 0.0f;
   p.q_segment_ids = TensorView();
   EXPECT_FALSE(hopper::ForwardCallOf(p, d).soft_cap || hopper::ForwardCallOf(p, d).segment_ids);
+  EXPECT_FALSE(c.bias || c.mask);
+  uint16_t q_data[1] = {}, bias_data[1] = {};
+  uint8_t mask_data[1] = {};
+  p.q = TensorView::Contiguous(q_data, DType::kBF16, {1, 1, 1, 1});
+  p.bias = TensorView::Contiguous(bias_data, DType::kBF16, {1, 1, 1, 1});
+  p.mask = TensorView::Contiguous(mask_data, DType::kBool, {1, 1, 1, 1});
+  ForwardCall dense = hopper::ForwardCallOf(p, d);
+  EXPECT_TRUE(dense.bias && dense.mask && dense.bias_dtype_matches);
+  p.bias.dtype = DType::kF16;
+  EXPECT_FALSE(hopper::ForwardCallOf(p, d).bias_dtype_matches);
 }
 
 TEST(HopperForwardCall, WindowSidesAndBands) {

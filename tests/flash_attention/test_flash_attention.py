@@ -190,6 +190,19 @@ CASES = [
          kv_heads=2, head_dim=96, causal=True, segments=True, deterministic=True),
     Case("tiles_d192_deterministic_gqa", dtype="bfloat16", batch=1, seq_q=333, seq_k=520, q_heads=4, kv_heads=1,
          head_dim=192, deterministic=True),
+    # A bias or mask alone on the Hopper forward (bias of the input dtype, seq_k a multiple of 8
+    # for a bias and of 16 for a mask): its tile per key tile through shared memory, broadcast
+    # over batch and heads, causal and window masks on top.
+    Case("tiles_bias_hopper_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=264, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, bias="BH"),
+    Case("tiles_bias_hopper_f16_d96_sinks_sq>sk", dtype="float16", batch=2, seq_q=260, seq_k=136, q_heads=2,
+         kv_heads=1, head_dim=96, bias="B1", sinks=True),
+    Case("tiles_bias_hopper_bf16_d64_window", dtype="bfloat16", batch=1, seq_q=333, seq_k=400, q_heads=4,
+         kv_heads=2, window=(100, 20), bias="11"),
+    Case("tiles_mask_hopper_f16_d64_window_sinks", dtype="float16", batch=1, seq_q=333, seq_k=400, q_heads=2,
+         kv_heads=1, window=(100, 20), mask="1H", sinks=True),
+    Case("tiles_mask_hopper_bf16_d128", dtype="bfloat16", batch=2, seq_q=200, seq_k=272, q_heads=4, kv_heads=2,
+         head_dim=128, mask="BH"),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
@@ -597,7 +610,14 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     assert heuristic_config("cuda", args(2048, 64, causal=True)) == tile(192, 128, 16, 4)
     assert heuristic_config("cuda", args(4096, 256)) == tile(128, 80, 12, 2)
     bias = jnp.asarray(rng.standard_normal((1, 1, 512, 512)), jnp.bfloat16)
-    assert heuristic_config("cuda", args(512, 128, bias=bias)) == tile(64, 64, 4, 2)
+    assert config_candidates("cuda", args(512, 128, bias=bias)) == [narrow]
+    mask = jnp.asarray(rng.random((2, 1, 512, 512)) < 0.5)
+    assert heuristic_config("cuda", args(512, 64, attention_mask=mask, causal=True)) == narrow
+    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias, a
+    # bias with a soft cap, head dims above 128.
+    assert heuristic_config("cuda", args(512, 128, bias=bias.astype(jnp.float32))) == tile(64, 64, 4, 2)
+    assert heuristic_config("cuda", args(512, 128, bias=bias, logits_soft_cap=5.0)) == tile(64, 64, 4, 2)
+    assert heuristic_config("cuda", args(512, 256, bias=bias)) == tile(128, 64, 8, 2)
 
     q = jnp.asarray(rng.standard_normal((2, 1500, 4, 128)), jnp.bfloat16)
     tuner = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
@@ -606,9 +626,14 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     assert inv.platform.value == "cuda" and cfg in (wide, narrow)
 
 
-def test_fully_masked_is_zero_and_finite(impl, rng):
-    """Nothing visible anywhere: out 0, lse -inf, and zero (not NaN) gradients."""
-    case = Case("masked", bias="B1", mask="11", sinks=False)
+@pytest.mark.parametrize(
+    "case",
+    [Case("masked", bias="B1", mask="11"), Case("masked_mask_alone", seq_k=80, mask="11")],
+    ids=lambda c: c.name,
+)
+def test_fully_masked_is_zero_and_finite(impl, case, rng):
+    """Nothing visible anywhere: out 0, lse -inf, and zero (not NaN) gradients (a mask alone,
+    at 80 keys, runs on the Hopper forward)."""
     case = impl.adapt(case)
     impl.require("backward", *case.features())
     q, k, v, arrays, static = make_inputs(case, rng)

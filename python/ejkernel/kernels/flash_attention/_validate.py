@@ -64,14 +64,17 @@ class AttentionArgs:
 
     def signature(self) -> dict[str, Any]:
         """What a native implementation's heuristic, candidates and support depend on: shapes,
-        dtype, the features() names and the window's sides (-1: unbounded)."""
+        dtype, the features() names, the window's sides (-1: unbounded) and the bias dtype."""
         left, right = self.sliding_window or (-1, -1)
-        return {
+        signature = {
             **signature_of(self.query, self.key),
             "features": self.features(),
             "window_left": left,
             "window_right": right,
         }
+        if self.bias is not None:
+            signature["bias_dtype"] = jnp.dtype(self.bias.dtype).name
+        return signature
 
 
 def signature_of(query: Any, key: Any) -> dict[str, Any]:

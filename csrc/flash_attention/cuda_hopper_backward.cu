@@ -24,14 +24,17 @@ namespace hopper_backward {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
 extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDense<64>(const KernelParams&, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
 extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDense<96>(const KernelParams&, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDense<128>(const KernelParams&, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
 extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
@@ -110,6 +113,15 @@ ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic) {
 }
 
 bool HasSegments(const BackwardParams& p) { return p.fwd.q_segment_ids.present(); }
+
+// Whether the kernel for a bias (else a mask) at this head dim fits in shared memory.
+bool DenseFits(int64_t head_dim, bool bias) {
+  switch (PaddedDimFor(head_dim)) {
+    case 64: return bias ? Layout<64, Elementwise::kBias>::kFits : Layout<64, Elementwise::kMask>::kFits;
+    case 128: return bias ? Layout<128, Elementwise::kBias>::kFits : Layout<128, Elementwise::kMask>::kFits;
+    default: return false;
+  }
+}
 
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
@@ -258,9 +270,14 @@ Status LastLaunch(const char* what) {
                           cudaGetErrorString(err));
 }
 
-// Segment ids take their own kernels (compiled in cuda_hopper_backward_segments_hdim*.cu).
+// Segment ids, a bias or a mask take their own kernels (compiled in
+// cuda_hopper_backward_segments_hdim*.cu and cuda_hopper_backward_dense_hdim*.cu).
 template <int kHeadDim>
-Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                     cudaStream_t stream) {
+  if (feature == Elementwise::kBias || feature == Elementwise::kMask) {
+    if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) return LaunchDense<kHeadDim>(kp, f16, feature, batch, stream);
+  }
   if (kp.q_segment_ids == nullptr) return Launch<kHeadDim>(kp, f16, softcap, batch, stream);
   if constexpr (kSegmentIdsBuilt) {
     return LaunchSegments<kHeadDim>(kp, f16, softcap, batch, stream);
@@ -269,22 +286,23 @@ Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, int batch, 
   }
 }
 
-Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                  cudaStream_t stream) {
   switch (head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return LaunchHeadDim<64>(kp, f16, softcap, batch, stream);
+    case 64: return LaunchHeadDim<64>(kp, f16, softcap, feature, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96: return LaunchHeadDim<96>(kp, f16, softcap, batch, stream);
+    case 96: return LaunchHeadDim<96>(kp, f16, softcap, feature, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return LaunchHeadDim<128>(kp, f16, softcap, batch, stream);
+    case 128: return LaunchHeadDim<128>(kp, f16, softcap, feature, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192: return LaunchHeadDim<192>(kp, f16, softcap, batch, stream);
+    case 192: return LaunchHeadDim<192>(kp, f16, softcap, feature, batch, stream);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return LaunchHeadDim<256>(kp, f16, softcap, batch, stream);
+    case 256: return LaunchHeadDim<256>(kp, f16, softcap, feature, batch, stream);
 #endif
     default: return Status::Unimplemented("hopper flash attention backward: head_dim " + std::to_string(head_dim));
   }
@@ -304,8 +322,16 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (!hopper_backward::HeadDimBuilt(dims.head_dim)) {
     return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
   }
-  if (f.bias.present()) return no("bias is not supported");
-  if (f.mask.present()) return no("mask is not supported");
+  if (f.bias.present() || f.mask.present()) {
+    // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
+    if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
+    if (p.dbias.present()) return no("a bias gradient is not supported");
+    if (p.deterministic) return no("deterministic mode with a bias or mask is not supported");
+    if (!hopper_backward::DenseFits(dims.head_dim, f.bias.present())) {
+      return no(std::string(f.bias.present() ? "a bias" : "a mask") + " at head_dim " + std::to_string(dims.head_dim) +
+                " does not fit in shared memory");
+    }
+  }
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
@@ -314,7 +340,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p), p.deterministic).rows >= (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
-  for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv}) {
+  for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv, &f.bias, &f.mask}) {
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return no("tensors must be 16-byte aligned");
   }
   return Status::Ok();
@@ -374,6 +400,15 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;
   kp.dq_turns = nullptr;
+  const TensorView& dense = f.bias.present() ? f.bias : f.mask;
+  kp.dense_per_batch = kp.dense_per_head = 0;
+  kp.bias_to_score = 1.0f / f.softmax_scale;
+  if (dense.present()) {
+    EJK_RETURN_IF_ERROR(
+        hopper::MakeDenseTensorMap(dense, block_m, f.bias.present() ? "bias" : "mask", &kp.tma_dense));
+    kp.dense_per_batch = dense.dim(0) > 1;
+    kp.dense_per_head = dense.dim(1) > 1;
+  }
   if (HasSegments(p)) {
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
     int* q_ids_padded = reinterpret_cast<int*>(segments);
@@ -427,7 +462,11 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
         kp.cu_seqlens_q, kp.num_sequences);
     EJK_RETURN_IF_ERROR(LastLaunch("sink gradient"));
   }
-  EJK_RETURN_IF_ERROR(LaunchMain(d.head_dim, kp, f16, f.logits_soft_cap > 0.0f, static_cast<int>(d.batch), stream));
+  const Elementwise feature = f.bias.present()   ? Elementwise::kBias
+                              : f.mask.present() ? Elementwise::kMask
+                                                 : Elementwise::kNone;
+  EJK_RETURN_IF_ERROR(
+      LaunchMain(d.head_dim, kp, f16, f.logits_soft_cap > 0.0f, feature, static_cast<int>(d.batch), stream));
   {
     const unsigned blocks = static_cast<unsigned>(sl.rows * padded_dim / 4096);  // 64 x 64 blocks
     if (f16) {

@@ -22,6 +22,11 @@
 // loaded; only tiles on a mask boundary or at the sequence end are masked element-wise.
 // Rows past the sequence come from TMA's zero fill and have lse = +inf (P = 0).
 //
+// A dense bias or attention mask (head dims up to 128, no bias gradient): each query tile's
+// [kBlockM x kBlockN] tile of it comes by TMA with the tile's Q, and the consumers read their
+// fragment's elements from shared memory (the bias into S^T before P^T, the mask like the
+// causal one).
+//
 // Segment ids: every query tile is masked element-wise, by its rows' ids (a bulk copy with the
 // tile's lse) against the thread's keys' ids (loaded once). A block skips the query tiles
 // before the first and after the last whose id range meets its keys' (NarrowToSegments):
@@ -69,6 +74,8 @@
 
 namespace ejk::flash_attention::hopper_backward {
 
+using hopper::Elementwise;
+
 // Two ways to share a block between the consumer warpgroups:
 //   head dims 64, 96 and 128 ("split keys"): kBlockN = 128 keys, each warpgroup owns 64 of
 //     them, all their dK/dV columns, and the whole S^T/dP^T rows of its keys, so P^T and dS^T
@@ -108,9 +115,12 @@ struct BlockM<256> {
   static constexpr int kValue = 64;
 };
 
-// kSegments: each stage also holds its query tile's segment ids.
-template <int kHeadDim, bool kSegments = false>
+// kFeature: segment ids (each stage also holds its query tile's ids) or a dense bias or mask
+// (each stage also holds its query tile's [kBlockM x kBlockN] tile of it; split keys only).
+template <int kHeadDim, Elementwise kFeature = Elementwise::kNone>
 struct Layout {
+  static constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
+  static constexpr bool kDense = kFeature == Elementwise::kBias || kFeature == Elementwise::kMask;
   static constexpr int kPaddedDim = PaddedHeadDim<kHeadDim>::kValue;
   static constexpr bool kSplitQueries = kPaddedDim == 256;
   static constexpr int kBlockM = BlockM<kPaddedDim>::kValue;
@@ -132,18 +142,27 @@ struct Layout {
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kPaddedDim;
   static constexpr int kQIdBytes = kSegments ? kBlockM * 4 : 0;  // per stage
+  // The bias (bf16/f16) or mask (bytes) tile per stage: [kBlockM][128 bytes] blocks of 64 or
+  // 128 keys in the 128-byte swizzle, as TMA writes them.
+  static constexpr int kDenseElementBytes = kFeature == Elementwise::kBias ? 2 : 1;
+  static constexpr int kDenseBlockKeys = 128 / kDenseElementBytes;
+  static constexpr int kDenseBlockBytes = kBlockM * 128;
+  static constexpr int kDenseTileBytes = kDense ? kBlockM * kBlockN * kDenseElementBytes : 0;
   // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
   static constexpr int BytesFor(int stages) {
-    return 2 * kKvTileBytes + stages * 2 * kQTileBytes + kDsBuffers * kDsBytes + (kSplitQueries ? 2 * kDsBytes : 0) +
-           stages * (2 * kBlockM * 4 + kQIdBytes) + 8 * (1 + 3 * stages) + 1024;
+    return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseTileBytes) + kDsBuffers * kDsBytes +
+           (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + kQIdBytes) + 8 * (1 + 3 * stages) + 1024;
   }
   // A third stage where it fits (head dim 128): the next items' loads then start two items ahead.
   static constexpr int kStages = BytesFor(3) <= 232448 ? 3 : 2;
+  // Whether the kernel fits in shared memory (a bias at head dim 64 does not, by 56 bytes).
+  static constexpr bool kFits = BytesFor(kStages) <= 232448;
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKvTileBytes;
   static constexpr int kQ = kV + kKvTileBytes;
   static constexpr int kDo = kQ + kStages * kQTileBytes;
-  static constexpr int kDs = kDo + kStages * kQTileBytes;
+  static constexpr int kDenseOffset = kDo + kStages * kQTileBytes;
+  static constexpr int kDs = kDenseOffset + kStages * kDenseTileBytes;
   static constexpr int kP = kDs + kDsBuffers * kDsBytes;  // 2 buffers, split queries only
   static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);
   static constexpr int kDelta = kLse + kStages * kBlockM * 4;
@@ -153,12 +172,18 @@ struct Layout {
   static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
-  static_assert(kAllocBytes <= 232448 && kAllocBytes == BytesFor(kStages), "shared memory");
+  static_assert(kAllocBytes == BytesFor(kStages), "shared memory");
+  static_assert(!kDense || (!kSplitQueries && kBlockN % kDenseBlockKeys == 0), "dense tiles: split keys only");
 };
 
 // Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
 struct KernelParams {
   CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  // The bias or mask [Bb, Hb, Sq, Sk] as (Sk, Sq, Hb, Bb), boxes of 128 bytes x kBlockM rows
+  // (dense kernels only); a dimension of 1 broadcasts (coordinate 0).
+  CUtensorMap tma_dense;
+  int dense_per_batch, dense_per_head;  // Bb > 1, Hb > 1
+  float bias_to_score;                  // 1 / softmax scale: a bias in raw q.k units
   void *dk, *dv;
   const float* lse2;   // [B, Hq, padded_q] lse in log2 units, +inf for rows that see nothing
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
@@ -195,6 +220,10 @@ Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStr
 // Calls with segment ids; instantiated per head dim in cuda_hopper_backward_segments_hdim*.cu.
 template <int kHeadDim>
 Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
+// Calls with a bias or a mask (kFeature; no soft cap, not deterministic); instantiated per head
+// dim in cuda_hopper_backward_dense_hdim*.cu.
+template <int kHeadDim>
+Status LaunchDense(const KernelParams& kp, bool f16, Elementwise feature, int batch, cudaStream_t stream);
 
 #if EJK_HOPPER_DEVICE_CODE
 namespace device {
@@ -382,13 +411,16 @@ constexpr int kBarDqDone = 8;    // + wg: warpgroup wg added its dQ into the til
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-// kSegments: segment ids, masked element-wise in every query tile. kDeterministic: dQ added
-// in a fixed order (p.dq_turns); its own kernels, so that the others carry none of its code.
-template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments, bool kDeterministic>
+// kFeature: segment ids, a bias or a mask, applied element-wise in every query tile.
+// kDeterministic: dQ added in a fixed order (p.dq_turns); its own kernels, so that the others
+// carry none of its code.
+template <int kHeadDim, bool kF16, bool kSoftcap, Elementwise kFeature, bool kDeterministic>
 __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
   using namespace device;
-  using L = Layout<kHeadDim, kSegments>;
+  using L = Layout<kHeadDim, kFeature>;
+  constexpr bool kSegments = L::kSegments;
+  constexpr bool kMask = kFeature == Elementwise::kMask;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kColBlocks = L::kColBlocks;
@@ -464,6 +496,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     PrefetchTmaDescriptor(&p.tma_k);
     PrefetchTmaDescriptor(&p.tma_v);
     PrefetchTmaDescriptor(&p.tma_do);
+    if constexpr (L::kDense) PrefetchTmaDescriptor(&p.tma_dense);
   }
   __syncthreads();
 
@@ -486,10 +519,18 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const int m0 = (m_lo + it % m_count) * kBlockM;
         const int64_t row = (static_cast<int64_t>(batch) * p.num_q_heads + head) * p.padded_q + m0;
         MbarWait(empty(s), phase ^ 1);
-        MbarExpectTx(q_full(s), L::kQTileBytes + kBlockM * 4 + L::kQIdBytes);
+        MbarExpectTx(q_full(s), L::kQTileBytes + kBlockM * 4 + L::kQIdBytes + L::kDenseTileBytes);
 #pragma unroll
         for (int cb = 0; cb < kColBlocks; ++cb) {
           TmaLoad4d(q_smem(s) + cb * L::kQBlockBytes, &p.tma_q, q_full(s), cb * 64, head, m0, batch);
+        }
+        if constexpr (L::kDense) {  // never with packed sequences: k_begin is 0
+#pragma unroll
+          for (int b = 0; b < kBlockN / L::kDenseBlockKeys; ++b) {
+            TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::kDenseBlockBytes, &p.tma_dense,
+                      q_full(s), n0 + b * L::kDenseBlockKeys, m0, p.dense_per_head ? head : 0,
+                      p.dense_per_batch ? batch : 0);
+          }
         }
         BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
         if constexpr (kSegments) {
@@ -778,9 +819,20 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // P^T and dS^T; columns are queries m0 + 8j + 2 t4 + c.
       const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
-      const bool masked = kSegments || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+      const bool masked = kSegments || kMask || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
                           n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
       const int* q_ids = reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes);
+      // The bias or mask tile: element (query q, key wg * 64 + 16 warp + 8 r + g) sits in row q,
+      // 16-byte chunk ((key % kDenseBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
+      const uint32_t dense_tile = smem + L::kDenseOffset + s * L::kDenseTileBytes;
+      const auto dense_at = [&](int j, int r, int c) {
+        const int query = 8 * j + 2 * t4 + c;
+        if constexpr (kMask) {
+          return dense_tile + query * 128 + (((wg * 4 + warp) ^ (2 * t4 + c)) << 4) + g + 8 * r;
+        } else {
+          return dense_tile + wg * L::kDenseBlockBytes + query * 128 + (((2 * warp + r) ^ (2 * t4 + c)) << 4) + 2 * g;
+        }
+      };
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
@@ -791,8 +843,26 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
+            if constexpr (kFeature == Elementwise::kBias) {
+              uint16_t bits;
+              asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(dense_at(j, r, c)) : "memory");
+              float bias;
+              if constexpr (kF16) {
+                bias = __half2float(__ushort_as_half(bits));
+              } else {
+                bias = __bfloat162float(__ushort_as_bfloat16(bits));
+              }
+              sc[i] = fmaf(bias, p.bias_to_score, sc[i]);
+            }
+            bool hidden_by_mask = false;
+            if constexpr (kMask) {
+              uint16_t shown;
+              asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(shown) : "r"(dense_at(j, r, c)) : "memory");
+              hidden_by_mask = shown == 0;
+            }
             prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
-            if (masked && (hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c) | other_segment(c ? ids.y : ids.x, r))) {
+            if (masked && (hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c) | other_segment(c ? ids.y : ids.x, r) |
+                           hidden_by_mask)) {
               sc[i] = dp[i] = 0.0f;
             }
           }
@@ -899,11 +969,15 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #endif  // EJK_HOPPER_DEVICE_CODE
 }
 
-template <int kHeadDim, bool kF16, bool kSoftcap, bool kSegments>
+template <int kHeadDim, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
-  using L = Layout<kHeadDim, kSegments>;
-  void (*kernel)(const KernelParams) = kp.dq_turns != nullptr ? BackwardKernel<kHeadDim, kF16, kSoftcap, kSegments, true>
-                                                              : BackwardKernel<kHeadDim, kF16, kSoftcap, kSegments, false>;
+  using L = Layout<kHeadDim, kFeature>;
+  static_assert(L::kFits, "shared memory");
+  // The dense kernels are not built deterministic (HopperBackwardSupports).
+  void (*kernel)(const KernelParams) = BackwardKernel<kHeadDim, kF16, kSoftcap, kFeature, false>;
+  if constexpr (!L::kDense) {
+    if (kp.dq_turns != nullptr) kernel = BackwardKernel<kHeadDim, kF16, kSoftcap, kFeature, true>;
+  }
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention backward: shared memory attribute: ") +
@@ -925,21 +999,21 @@ Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
   return Status::Ok();
 }
 
-template <int kHeadDim, bool kSoftcap, bool kSegments>
+template <int kHeadDim, bool kSoftcap, Elementwise kFeature>
 Status LaunchDType(const KernelParams& kp, bool f16, int batch, cudaStream_t stream) {
-  if (!f16) return LaunchKernel<kHeadDim, false, kSoftcap, kSegments>(kp, batch, stream);
+  if (!f16) return LaunchKernel<kHeadDim, false, kSoftcap, kFeature>(kp, batch, stream);
   if constexpr (kFloat16Built) {
-    return LaunchKernel<kHeadDim, true, kSoftcap, kSegments>(kp, batch, stream);
+    return LaunchKernel<kHeadDim, true, kSoftcap, kFeature>(kp, batch, stream);
   } else {
     return FeatureNotBuilt("float16");
   }
 }
 
-template <int kHeadDim, bool kSegments>
+template <int kHeadDim, Elementwise kFeature>
 Status LaunchVariant(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  if (!softcap) return LaunchDType<kHeadDim, false, kSegments>(kp, f16, batch, stream);
+  if (!softcap) return LaunchDType<kHeadDim, false, kFeature>(kp, f16, batch, stream);
   if constexpr (kSoftCapBuilt) {
-    return LaunchDType<kHeadDim, true, kSegments>(kp, f16, batch, stream);
+    return LaunchDType<kHeadDim, true, kFeature>(kp, f16, batch, stream);
   } else {
     return FeatureNotBuilt("logits_soft_cap");
   }
@@ -947,12 +1021,24 @@ Status LaunchVariant(const KernelParams& kp, bool f16, bool softcap, int batch, 
 
 template <int kHeadDim>
 Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  return LaunchVariant<kHeadDim, false>(kp, f16, softcap, batch, stream);
+  return LaunchVariant<kHeadDim, Elementwise::kNone>(kp, f16, softcap, batch, stream);
 }
 
 template <int kHeadDim>
 Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  return LaunchVariant<kHeadDim, true>(kp, f16, softcap, batch, stream);
+  return LaunchVariant<kHeadDim, Elementwise::kSegmentIds>(kp, f16, softcap, batch, stream);
+}
+
+template <int kHeadDim>
+Status LaunchDense(const KernelParams& kp, bool f16, Elementwise feature, int batch, cudaStream_t stream) {
+  if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
+    if (feature == Elementwise::kMask) return LaunchDType<kHeadDim, false, Elementwise::kMask>(kp, f16, batch, stream);
+    if constexpr (Layout<kHeadDim, Elementwise::kBias>::kFits) {
+      if (feature == Elementwise::kBias) return LaunchDType<kHeadDim, false, Elementwise::kBias>(kp, f16, batch, stream);
+    }
+  }
+  return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +
+                          std::to_string(kHeadDim));
 }
 
 }  // namespace ejk::flash_attention::hopper_backward

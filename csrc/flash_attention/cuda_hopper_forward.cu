@@ -91,10 +91,6 @@ Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtens
   return Status::Ok();
 }
 
-namespace {
-
-// A bias (bf16/f16) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb) with
-// boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle.
 Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
   if (encode == nullptr) return Status::Internal("hopper flash attention: cuTensorMapEncodeTiled unavailable");
@@ -118,8 +114,6 @@ Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, C
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 void SetSection(int section, KernelParams* kp) {
   kp->section = section;

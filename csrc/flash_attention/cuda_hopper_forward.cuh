@@ -1325,6 +1325,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // A bf16/f16 [B, S, H, D] tensor as a 4-d TMA map (D, H, S, B) with boxes of 64 x 1 x
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
+// A bias (bf16/f16) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb) with
+// boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle (the backward's too).
+Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 // Also the bias or mask's map (boxes of 128 bytes x block_m rows) where the call has one.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
 // Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of

@@ -59,6 +59,7 @@ class Case:
     sinks: bool = False
     bias: str | None = None  # broadcast form: "BH", "B1", "1H" or "11"
     bias_dtype: str | None = None  # default: the input dtype
+    bias_constant: bool = False  # no gradient taken for the bias (a call without dbias)
     mask: str | None = None  # broadcast form, like bias
     segments: bool | str = False  # True: sorted ids (packed documents); "shuffled": ids in any order
     varlen: tuple | None = None  # a packed layout: VARLEN or VARLEN_TILES
@@ -190,19 +191,24 @@ CASES = [
          kv_heads=2, head_dim=96, causal=True, segments=True, deterministic=True),
     Case("tiles_d192_deterministic_gqa", dtype="bfloat16", batch=1, seq_q=333, seq_k=520, q_heads=4, kv_heads=1,
          head_dim=192, deterministic=True),
-    # A bias or mask alone on the Hopper forward (bias of the input dtype, seq_k a multiple of 8
-    # for a bias and of 16 for a mask): its tile per key tile through shared memory, broadcast
-    # over batch and heads, causal and window masks on top.
+    # A bias or mask alone on the Hopper kernels (bias of the input dtype, seq_k a multiple of 8
+    # for a bias and of 16 for a mask): its tile per key or query tile through shared memory,
+    # broadcast over batch and heads, causal and window masks on top. The Hopper backward takes
+    # a mask, and a bias without its gradient (d96/d128); dbias runs on mma.sync.
     Case("tiles_bias_hopper_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=264, q_heads=4,
-         kv_heads=2, head_dim=128, causal=True, bias="BH"),
+         kv_heads=2, head_dim=128, causal=True, bias="BH", bias_constant=True),
+    Case("tiles_bias_hopper_dbias_bf16_d128", dtype="bfloat16", batch=1, seq_q=200, seq_k=264, q_heads=2,
+         kv_heads=2, head_dim=128, bias="1H"),
     Case("tiles_bias_hopper_f16_d96_sinks_sq>sk", dtype="float16", batch=2, seq_q=260, seq_k=136, q_heads=2,
-         kv_heads=1, head_dim=96, bias="B1", sinks=True),
+         kv_heads=1, head_dim=96, bias="B1", sinks=True, bias_constant=True),
     Case("tiles_bias_hopper_bf16_d64_window", dtype="bfloat16", batch=1, seq_q=333, seq_k=400, q_heads=4,
          kv_heads=2, window=(100, 20), bias="11"),
     Case("tiles_mask_hopper_f16_d64_window_sinks", dtype="float16", batch=1, seq_q=333, seq_k=400, q_heads=2,
          kv_heads=1, window=(100, 20), mask="1H", sinks=True),
     Case("tiles_mask_hopper_bf16_d128", dtype="bfloat16", batch=2, seq_q=200, seq_k=272, q_heads=4, kv_heads=2,
          head_dim=128, mask="BH"),
+    Case("tiles_mask_hopper_causal_f16_d128_sq<sk", dtype="float16", batch=1, seq_q=150, seq_k=400, q_heads=2,
+         kv_heads=1, head_dim=128, causal=True, mask="B1"),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
@@ -350,10 +356,12 @@ def forward(fn, q, k, v, arrays, static):
     return _forward_program(fn, tuple(static.items()))(q, k, v, arrays)
 
 
-def forward_and_grads(fn, q, k, v, arrays, static, dout, dlse):
-    """((out, lse), grads): grads maps each differentiable input's name to its cotangent."""
-    primals = {"query": q, "key": k, "value": v, **{n: arrays[n] for n in DIFFERENTIABLE if n in arrays}}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
+def forward_and_grads(fn, q, k, v, arrays, static, dout, dlse, constant=()):
+    """((out, lse), grads): grads maps each differentiable input's name to its cotangent, but
+    for the arrays named in `constant`, which are held fixed."""
+    primals = {"query": q, "key": k, "value": v,
+               **{n: arrays[n] for n in DIFFERENTIABLE if n in arrays and n not in constant}}
+    rest = {n: x for n, x in arrays.items() if n not in primals}
     return _vjp_program(fn, tuple(static.items()))(primals, rest, (dout, dlse))
 
 
@@ -510,9 +518,10 @@ def check_against_reference(impl, case: Case, rng) -> None:
     q, k, v, arrays, static = make_inputs(case, rng)
     kwargs = {**arrays, **static}
     with_grads = impl.supports("backward")
+    constant = ("bias",) if case.bias_constant else ()
     if with_grads:
         dout, dlse = cotangents_for(q, rng)
-        (out, lse), grads = forward_and_grads(impl.fn, q, k, v, arrays, static, dout, dlse)
+        (out, lse), grads = forward_and_grads(impl.fn, q, k, v, arrays, static, dout, dlse, constant)
         want_out, want_lse, want, allowance = reference_grads(
             q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True, delta_error=delta_error(q.dtype))
         approx_out, approx_lse, approx = reference_grads(
@@ -526,9 +535,9 @@ def check_against_reference(impl, case: Case, rng) -> None:
     assert_close("out", out, want_out, approx_out, summed_terms("out", q, k))
     assert_close("lse", lse, want_lse, approx_lse)
     if with_grads:
-        assert set(grads) == set(want)
+        assert set(grads) == set(want) - set(constant)
         primals = {"query": q, "key": k, "value": v, **arrays}
-        for name in want:
+        for name in grads:
             assert grads[name].dtype == primals[name].dtype, f"d{name}: dtype {grads[name].dtype}"
             assert_close(f"d{name}", grads[name], want[name], approx[name], summed_terms(name, q, k), allowance[name])
 

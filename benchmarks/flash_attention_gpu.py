@@ -4,7 +4,7 @@ one process, forward and forward+backward.
 The grid follows FlashAttention-3's: B * S = 16384 tokens, H * D = 2048, head dims 64/128/256,
 S from 512 to 16384, causal and not; plus GQA 32/8, a sliding window of 1024 against full
 causal attention at S = 16384, packed variable-length sequences, segment ids, head dims 96
-and 192, and a dense bias or boolean mask. TFLOP/s count only the visible (unmasked) score
+and 192, and a dense bias (with its gradient or not) or boolean mask. TFLOP/s count only the visible (unmasked) score
 entries (a dense mask's pairs all count): 4 * B * H * D * visible pairs forward, 2.5x that
 backward. Each implementation is timed in 3 rounds of alternating order and
 its best round is kept.
@@ -16,7 +16,7 @@ its best round is kept.
     python benchmarks/flash_attention_gpu.py --head-dims '' --part c  # the extra cases
     python benchmarks/flash_attention_gpu.py --merge a b c
     # some extra cases alone, by name:
-    python benchmarks/flash_attention_gpu.py --head-dims '' --only bias,mask --part bias_mask
+    python benchmarks/flash_attention_gpu.py --head-dims '' --only bias,mask,dbias --part bias_mask
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Case:
     segments: int = 0  # segment ids: this many documents of random lengths in each row
     deterministic: bool = False  # the backward's bit-reproducible mode
     dense: str = ""  # "bias": an additive [1, H, S, S] bias; "mask": a boolean [B, 1, S, S] mask
+    dense_grad: bool = False  # forward+backward also differentiates the bias
 
     @property
     def num_kv_heads(self) -> int:
@@ -100,6 +101,8 @@ def extra_cases() -> list[Case]:
         Case("bias", 4, 4096, 16, 128, dense="bias"),
         Case("bias", 4, 4096, 16, 128, causal=True, dense="bias"),
         Case("mask", 4, 4096, 16, 128, dense="mask"),
+        Case("dbias", 4, 4096, 16, 128, dense="bias", dense_grad=True),
+        Case("dbias", 4, 4096, 16, 128, causal=True, dense="bias", dense_grad=True),
     ]
 
 
@@ -202,11 +205,11 @@ def _pallas_triton(case: Case, lengths) -> Callable | None:
     return lambda q, k, v: attention.mha(q, k, v, segment_ids=ids, sm_scale=scale, causal=case.causal)
 
 
-def _fwd_bwd(fn: Callable) -> Callable:
+def _fwd_bwd(fn: Callable, dense_grad: bool = False) -> Callable:
     def loss(q, k, v, g, *dense):
         return jnp.sum(fn(q, k, v, *dense).astype(jnp.float32) * g.astype(jnp.float32))
 
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(loss, argnums=(0, 1, 2, 4) if dense_grad else (0, 1, 2))
 
 
 TIMING_ROUNDS = 3
@@ -285,7 +288,7 @@ def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, 
         grad = None
         if backward:
             try:
-                grad = jax.jit(_fwd_bwd(fn))
+                grad = jax.jit(_fwd_bwd(fn, case.dense_grad))
                 jax.block_until_ready(grad(*inputs, *dense))
             except Exception as exc:  # noqa: BLE001
                 row[f"{name}_fwdbwd_error"] = _describe(exc)

@@ -114,7 +114,8 @@ ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic) {
 
 bool HasSegments(const BackwardParams& p) { return p.fwd.q_segment_ids.present(); }
 
-// Whether the kernel for a bias (else a mask) at this head dim fits in shared memory.
+// Whether the kernel for a bias (its gradient or not; else a mask) at this head dim fits in
+// shared memory.
 bool DenseFits(int64_t head_dim, bool bias) {
   switch (PaddedDimFor(head_dim)) {
     case 64: return bias ? Layout<64, Elementwise::kBias>::kFits : Layout<64, Elementwise::kMask>::kFits;
@@ -275,8 +276,13 @@ Status LastLaunch(const char* what) {
 template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
-  if (feature == Elementwise::kBias || feature == Elementwise::kMask) {
-    if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) return LaunchDense<kHeadDim>(kp, f16, feature, batch, stream);
+  if (feature != Elementwise::kNone) {  // a bias or a mask
+    if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
+      return LaunchDense<kHeadDim>(kp, f16, feature, batch, stream);
+    } else {
+      return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +
+                              std::to_string(kHeadDim));
+    }
   }
   if (kp.q_segment_ids == nullptr) return Launch<kHeadDim>(kp, f16, softcap, batch, stream);
   if constexpr (kSegmentIdsBuilt) {
@@ -325,7 +331,6 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
-    if (p.dbias.present()) return no("a bias gradient is not supported");
     if (p.deterministic) return no("deterministic mode with a bias or mask is not supported");
     if (!hopper_backward::DenseFits(dims.head_dim, f.bias.present())) {
       return no(std::string(f.bias.present() ? "a bias" : "a mask") + " at head_dim " + std::to_string(dims.head_dim) +
@@ -409,6 +414,16 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     kp.dense_per_batch = dense.dim(0) > 1;
     kp.dense_per_head = dense.dim(1) > 1;
   }
+  kp.dbias = nullptr;
+  kp.dbias_stride_b = kp.dbias_stride_h = 0;
+  kp.dbias_atomic = 0;
+  if (p.dbias.present()) {
+    const int64_t plane = d.seqlen_q * d.seqlen_k;
+    kp.dbias = p.dbias.ptr<float>();
+    kp.dbias_stride_h = p.dbias.dim(1) > 1 ? plane : 0;
+    kp.dbias_stride_b = p.dbias.dim(0) > 1 ? p.dbias.dim(1) * plane : 0;
+    kp.dbias_atomic = p.dbias.dim(0) != d.batch || p.dbias.dim(1) != d.num_q_heads;
+  }
   if (HasSegments(p)) {
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
     int* q_ids_padded = reinterpret_cast<int*>(segments);
@@ -426,6 +441,8 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
                               : Status::Internal(std::string("hopper flash attention backward: memset failed: ") +
                                                  cudaGetErrorString(err));
   };
+  // dbias gets sums, and nothing where no key block sees the query tile.
+  if (kp.dbias != nullptr) EJK_RETURN_IF_ERROR(zero(kp.dbias, p.dbias.SizeBytes()));
   if (p.deterministic) {
     kp.dq_turns = reinterpret_cast<int*>(base + 2 * sl.stat_bytes + sl.dq_bytes + sl.q_id_bytes + sl.tile_segment_bytes);
     EJK_RETURN_IF_ERROR(zero(kp.dq_turns, sl.turn_bytes));
@@ -462,7 +479,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
         kp.cu_seqlens_q, kp.num_sequences);
     EJK_RETURN_IF_ERROR(LastLaunch("sink gradient"));
   }
-  const Elementwise feature = f.bias.present()   ? Elementwise::kBias
+  const Elementwise feature = f.bias.present()   ? (p.dbias.present() ? Elementwise::kBiasWithGrad : Elementwise::kBias)
                               : f.mask.present() ? Elementwise::kMask
                                                  : Elementwise::kNone;
   EJK_RETURN_IF_ERROR(

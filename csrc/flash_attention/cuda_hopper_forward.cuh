@@ -69,8 +69,9 @@ struct TileConstants {
 };
 
 // The per-element feature a kernel reads with each key tile (a template parameter): none,
-// segment ids (the keys' ids), or a dense bias or attention mask ([kBlockM x kBlockN] tile).
-enum class Elementwise { kNone, kSegmentIds, kBias, kMask };
+// segment ids (the keys' ids), or a dense bias or attention mask ([kBlockM x kBlockN] tile);
+// kBiasWithGrad, backward kernels only: a bias whose gradient the kernel also writes.
+enum class Elementwise { kNone, kSegmentIds, kBias, kMask, kBiasWithGrad };
 
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, Elementwise kFeature = Elementwise::kNone>
 struct SmemLayout {

@@ -73,8 +73,8 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
                                           return_lse=True))
     calls += 1
 # A bias or a mask alone on the Hopper kernels (keys a multiple of 16), broadcast or not,
-# causal or not; gradients of q, k and v only (no dbias: the Hopper backward, but for a bias
-# at d64).
+# causal or not; gradients of q, k and v, and of the bias (the Hopper backward, but for a
+# bias at d64).
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(2, 1, seq_q, seq_k)
@@ -86,6 +86,12 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
         jax.block_until_ready(flash_attention(q, k, v, platform="cuda", return_lse=True, **dense))
         jax.block_until_ready(jax.grad(dense_loss, argnums=(0, 1, 2))(q, k, v))
         calls += 2
+
+    def bias_loss(q, k, v, bias):
+        return jnp.sum(flash_attention(q, k, v, bias=bias, platform="cuda").astype(jnp.float32) ** 2)
+
+    jax.block_until_ready(jax.grad(bias_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
+    calls += 1
 # Not causal with more than 1024 keys: the 176-key d96 and d128 kernels (shorter calls take
 # 128-key tiles).
 for head_dim in (96, 128):

@@ -194,11 +194,16 @@ CASES = [
     # A bias or mask alone on the Hopper kernels (bias of the input dtype, seq_k a multiple of 8
     # for a bias and of 16 for a mask): its tile per key or query tile through shared memory,
     # broadcast over batch and heads, causal and window masks on top. The Hopper backward takes
-    # a mask, and a bias without its gradient (d96/d128); dbias runs on mma.sync.
+    # a mask, and a bias at d96/d128, with its gradient (stored once per element, or summed
+    # over a broadcast batch or heads) or without.
     Case("tiles_bias_hopper_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=264, q_heads=4,
          kv_heads=2, head_dim=128, causal=True, bias="BH", bias_constant=True),
     Case("tiles_bias_hopper_dbias_bf16_d128", dtype="bfloat16", batch=1, seq_q=200, seq_k=264, q_heads=2,
          kv_heads=2, head_dim=128, bias="1H"),
+    Case("tiles_bias_hopper_dbias_f16_d96_causal_gqa", dtype="float16", batch=2, seq_q=200, seq_k=136, q_heads=4,
+         kv_heads=2, head_dim=96, causal=True, bias="BH"),
+    Case("tiles_bias_hopper_dbias_bf16_d128_mqa_window", dtype="bfloat16", batch=2, seq_q=130, seq_k=200, q_heads=4,
+         kv_heads=1, head_dim=128, window=(60, 10), bias="B1"),
     Case("tiles_bias_hopper_f16_d96_sinks_sq>sk", dtype="float16", batch=2, seq_q=260, seq_k=136, q_heads=2,
          kv_heads=1, head_dim=96, bias="B1", sinks=True, bias_constant=True),
     Case("tiles_bias_hopper_bf16_d64_window", dtype="bfloat16", batch=1, seq_q=333, seq_k=400, q_heads=4,

@@ -331,7 +331,11 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
-    if (p.deterministic) return no("deterministic mode with a bias or mask is not supported");
+    // Elements of a broadcast bias's gradient are sums by atomics (the kernel's dbias_atomic).
+    if (p.deterministic && p.dbias.present() &&
+        (p.dbias.dim(0) != dims.batch || p.dbias.dim(1) != dims.num_q_heads)) {
+      return no("deterministic mode with the gradient of a broadcast bias is not supported");
+    }
     if (!hopper_backward::DenseFits(dims.head_dim, f.bias.present())) {
       return no(std::string(f.bias.present() ? "a bias" : "a mask") + " at head_dim " + std::to_string(dims.head_dim) +
                 " does not fit in shared memory");

@@ -228,8 +228,8 @@ Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStr
 // Calls with segment ids; instantiated per head dim in cuda_hopper_backward_segments_hdim*.cu.
 template <int kHeadDim>
 Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
-// Calls with a bias (its gradient or not) or a mask (`feature`; no soft cap, not
-// deterministic); instantiated per head dim in cuda_hopper_backward_dense_hdim*.cu.
+// Calls with a bias (its gradient or not) or a mask (`feature`; no soft cap); instantiated per
+// head dim in cuda_hopper_backward_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDense(const KernelParams& kp, bool f16, Elementwise feature, int batch, cudaStream_t stream);
 
@@ -1001,11 +1001,8 @@ template <int kHeadDim, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchKernel(const KernelParams& kp, int batch, cudaStream_t stream) {
   using L = Layout<kHeadDim, kFeature>;
   static_assert(L::kFits, "shared memory");
-  // The dense kernels are not built deterministic (HopperBackwardSupports).
-  void (*kernel)(const KernelParams) = BackwardKernel<kHeadDim, kF16, kSoftcap, kFeature, false>;
-  if constexpr (!L::kDense) {
-    if (kp.dq_turns != nullptr) kernel = BackwardKernel<kHeadDim, kF16, kSoftcap, kFeature, true>;
-  }
+  void (*kernel)(const KernelParams) = kp.dq_turns != nullptr ? BackwardKernel<kHeadDim, kF16, kSoftcap, kFeature, true>
+                                                              : BackwardKernel<kHeadDim, kF16, kSoftcap, kFeature, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes);
       err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention backward: shared memory attribute: ") +

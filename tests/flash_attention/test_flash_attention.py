@@ -214,6 +214,13 @@ CASES = [
          head_dim=128, mask="BH"),
     Case("tiles_mask_hopper_causal_f16_d128_sq<sk", dtype="float16", batch=1, seq_q=150, seq_k=400, q_heads=2,
          kv_heads=1, head_dim=128, causal=True, mask="B1"),
+    # The same in deterministic mode (a broadcast bias's gradient runs on mma.sync there).
+    Case("tiles_bias_hopper_deterministic_bf16_d128_causal", dtype="bfloat16", batch=2, seq_q=300, seq_k=264,
+         q_heads=4, kv_heads=2, head_dim=128, causal=True, bias="BH", deterministic=True),
+    Case("tiles_bias_hopper_deterministic_f16_d96_gqa", dtype="float16", batch=1, seq_q=260, seq_k=136, q_heads=4,
+         kv_heads=1, head_dim=96, bias="1H", bias_constant=True, deterministic=True),
+    Case("tiles_mask_hopper_deterministic_f16_d64_window", dtype="float16", batch=1, seq_q=333, seq_k=400,
+         q_heads=4, kv_heads=2, window=(100, 20), mask="1H", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
@@ -642,16 +649,20 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
 
 @pytest.mark.parametrize(
     "case",
-    [Case("masked", bias="B1", mask="11"), Case("masked_mask_alone", seq_k=80, mask="11")],
+    [Case("masked", bias="B1", mask="11"), Case("masked_mask_alone", seq_k=80, mask="11"),
+     Case("masked_by_bias", seq_k=80, bias="11")],
     ids=lambda c: c.name,
 )
 def test_fully_masked_is_zero_and_finite(impl, case, rng):
-    """Nothing visible anywhere: out 0, lse -inf, and zero (not NaN) gradients (a mask alone,
-    at 80 keys, runs on the Hopper forward)."""
+    """Nothing visible anywhere, by a mask or by a bias of -inf: out 0, lse -inf, and zero (not
+    NaN) gradients, dbias included (alone, at 80 keys, they run on the Hopper kernels)."""
     case = impl.adapt(case)
     impl.require("backward", *case.features())
     q, k, v, arrays, static = make_inputs(case, rng)
-    arrays["attention_mask"] = jnp.zeros((1, 1, q.shape[1], k.shape[1]), bool)
+    if case.mask is not None:
+        arrays["attention_mask"] = jnp.zeros((1, 1, q.shape[1], k.shape[1]), bool)
+    else:
+        arrays["bias"] = jnp.full((1, 1, q.shape[1], k.shape[1]), -jnp.inf, arrays["bias"].dtype)
     (out, lse), grads = forward_and_grads(impl.fn, q, k, v, arrays, static, *cotangents_for(q, rng))
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
     assert np.all(np.asarray(lse) == -np.inf)

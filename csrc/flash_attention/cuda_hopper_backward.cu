@@ -114,6 +114,12 @@ ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic) {
 
 bool HasSegments(const BackwardParams& p) { return p.fwd.q_segment_ids.present(); }
 
+// Whether several (batch, q head) pairs add into each element of dbias (it broadcasts over
+// the batch or the heads): the kernel sums them by atomics.
+bool DbiasSummed(const BackwardParams& p, const Dims& d) {
+  return p.dbias.present() && (p.dbias.dim(0) != d.batch || p.dbias.dim(1) != d.num_q_heads);
+}
+
 // Whether the kernel for a bias (its gradient or not; else a mask) at this head dim fits in
 // shared memory.
 bool DenseFits(int64_t head_dim, bool bias) {
@@ -331,9 +337,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
-    // Elements of a broadcast bias's gradient are sums by atomics (the kernel's dbias_atomic).
-    if (p.deterministic && p.dbias.present() &&
-        (p.dbias.dim(0) != dims.batch || p.dbias.dim(1) != dims.num_q_heads)) {
+    if (p.deterministic && hopper_backward::DbiasSummed(p, dims)) {
       return no("deterministic mode with the gradient of a broadcast bias is not supported");
     }
     if (!hopper_backward::DenseFits(dims.head_dim, f.bias.present())) {
@@ -426,7 +430,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
     kp.dbias = p.dbias.ptr<float>();
     kp.dbias_stride_h = p.dbias.dim(1) > 1 ? plane : 0;
     kp.dbias_stride_b = p.dbias.dim(0) > 1 ? p.dbias.dim(1) * plane : 0;
-    kp.dbias_atomic = p.dbias.dim(0) != d.batch || p.dbias.dim(1) != d.num_q_heads;
+    kp.dbias_atomic = DbiasSummed(p, d);
   }
   if (HasSegments(p)) {
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;

@@ -25,8 +25,8 @@
 // A dense bias or attention mask (head dims up to 128): each query tile's [kBlockM x kBlockN]
 // tile of it comes by TMA with the tile's Q, and the consumers read their fragment's elements
 // from shared memory (the bias into S^T before P^T, the mask like the causal one). The bias's
-// gradient, where wanted, is dS^T, which each thread adds into dbias from registers (atomics
-// where other blocks add into the same elements).
+// gradient, where wanted, is dS^T, which each thread writes into dbias from registers (by
+// atomics where the bias broadcasts, so that several (batch, head) pairs add into an element).
 //
 // Segment ids: every query tile is masked element-wise, by its rows' ids (a bulk copy with the
 // tile's lse) against the thread's keys' ids (loaded once). A block skips the query tiles

@@ -413,15 +413,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;
   kp.dq_turns = nullptr;
-  const TensorView& dense = f.bias.present() ? f.bias : f.mask;
-  kp.dense_per_batch = kp.dense_per_head = 0;
-  kp.bias_to_score = 1.0f / f.softmax_scale;
-  if (dense.present()) {
-    EJK_RETURN_IF_ERROR(
-        hopper::MakeDenseTensorMap(dense, block_m, f.bias.present() ? "bias" : "mask", &kp.tma_dense));
-    kp.dense_per_batch = dense.dim(0) > 1;
-    kp.dense_per_head = dense.dim(1) > 1;
-  }
+  EJK_RETURN_IF_ERROR(hopper::PrepareDenseOperand(f, block_m, &kp.dense));
   kp.dbias = nullptr;
   kp.dbias_stride_b = kp.dbias_stride_h = 0;
   kp.dbias_atomic = 0;

@@ -121,8 +121,6 @@ struct BlockM<256> {
 template <int kHeadDim, Elementwise kFeature = Elementwise::kNone>
 struct Layout {
   static constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
-  static constexpr bool kBias = kFeature == Elementwise::kBias || kFeature == Elementwise::kBiasWithGrad;
-  static constexpr bool kDense = kBias || kFeature == Elementwise::kMask;
   static constexpr int kPaddedDim = PaddedHeadDim<kHeadDim>::kValue;
   static constexpr bool kSplitQueries = kPaddedDim == 256;
   static constexpr int kBlockM = BlockM<kPaddedDim>::kValue;
@@ -144,12 +142,10 @@ struct Layout {
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kPaddedDim;
   static constexpr int kQIdBytes = kSegments ? kBlockM * 4 : 0;  // per stage
-  // The bias (bf16/f16) or mask (bytes) tile per stage: [kBlockM][128 bytes] blocks of 64 or
-  // 128 keys in the 128-byte swizzle, as TMA writes them.
-  static constexpr int kDenseElementBytes = kBias ? 2 : 1;
-  static constexpr int kDenseBlockKeys = 128 / kDenseElementBytes;
-  static constexpr int kDenseBlockBytes = kBlockM * 128;
-  static constexpr int kDenseTileBytes = kDense ? kBlockM * kBlockN * kDenseElementBytes : 0;
+  // The bias or mask tile per stage.
+  using Dense = hopper::DenseTile<kFeature, kBlockM, kBlockN>;
+  static constexpr bool kDense = Dense::kPresent;
+  static constexpr int kDenseTileBytes = Dense::kBytes;
   // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
   static constexpr int BytesFor(int stages) {
     return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseTileBytes) + kDsBuffers * kDsBytes +
@@ -175,17 +171,13 @@ struct Layout {
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
   static_assert(kAllocBytes == BytesFor(kStages), "shared memory");
-  static_assert(!kDense || (!kSplitQueries && kBlockN % kDenseBlockKeys == 0), "dense tiles: split keys only");
+  static_assert(!kDense || !kSplitQueries, "dense tiles: split keys only");
 };
 
 // Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
 struct KernelParams {
   CUtensorMap tma_q, tma_k, tma_v, tma_do;
-  // The bias or mask [Bb, Hb, Sq, Sk] as (Sk, Sq, Hb, Bb), boxes of 128 bytes x kBlockM rows
-  // (dense kernels only); a dimension of 1 broadcasts (coordinate 0).
-  CUtensorMap tma_dense;
-  int dense_per_batch, dense_per_head;  // Bb > 1, Hb > 1
-  float bias_to_score;                  // 1 / softmax scale: a bias in raw q.k units
+  hopper::DenseOperand dense;  // a bias or mask, boxes of kBlockM rows (dense kernels only)
   // kBiasWithGrad: the bias's gradient, f32 like the bias (zeroed before the launch), its
   // strides (0 along a broadcast dimension), and whether several (batch, head) pairs add into
   // its elements (a broadcast dimension): then by atomics, else each is stored once.
@@ -505,7 +497,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     PrefetchTmaDescriptor(&p.tma_k);
     PrefetchTmaDescriptor(&p.tma_v);
     PrefetchTmaDescriptor(&p.tma_do);
-    if constexpr (L::kDense) PrefetchTmaDescriptor(&p.tma_dense);
+    if constexpr (L::kDense) PrefetchTmaDescriptor(&p.dense.map);
   }
   __syncthreads();
 
@@ -535,10 +527,10 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         }
         if constexpr (L::kDense) {  // never with packed sequences: k_begin is 0
 #pragma unroll
-          for (int b = 0; b < kBlockN / L::kDenseBlockKeys; ++b) {
-            TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::kDenseBlockBytes, &p.tma_dense,
-                      q_full(s), n0 + b * L::kDenseBlockKeys, m0, p.dense_per_head ? head : 0,
-                      p.dense_per_batch ? batch : 0);
+          for (int b = 0; b < kBlockN / L::Dense::kBlockKeys; ++b) {
+            TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::Dense::kBlockBytes, &p.dense.map,
+                      q_full(s), n0 + b * L::Dense::kBlockKeys, m0, p.dense.per_head ? head : 0,
+                      p.dense.per_batch ? batch : 0);
           }
         }
         BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
@@ -832,7 +824,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
                           n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
       const int* q_ids = reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes);
       // The bias or mask tile: element (query q, key wg * 64 + 16 warp + 8 r + g) sits in row q,
-      // 16-byte chunk ((key % kDenseBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
+      // 16-byte chunk ((key % Dense::kBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
       const uint32_t dense_tile = smem + L::kDenseOffset + s * L::kDenseTileBytes;
       // kBiasGrad: the item's [Sq, Sk] plane of dbias (dense calls: sq and sk are the tensor's).
       float* dbias_rows = nullptr;
@@ -844,7 +836,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         if constexpr (kMask) {
           return dense_tile + query * 128 + (((wg * 4 + warp) ^ (2 * t4 + c)) << 4) + g + 8 * r;
         } else {
-          return dense_tile + wg * L::kDenseBlockBytes + query * 128 + (((2 * warp + r) ^ (2 * t4 + c)) << 4) + 2 * g;
+          return dense_tile + wg * L::Dense::kBlockBytes + query * 128 + (((2 * warp + r) ^ (2 * t4 + c)) << 4) + 2 * g;
         }
       };
 #pragma unroll
@@ -857,7 +849,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
-            if constexpr (L::kBias) {
+            if constexpr (L::Dense::kBias) {
               uint16_t bits;
               asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(dense_at(j, r, c)) : "memory");
               float bias;
@@ -866,7 +858,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
               } else {
                 bias = __bfloat162float(__ushort_as_bfloat16(bits));
               }
-              sc[i] = fmaf(bias, p.bias_to_score, sc[i]);
+              sc[i] = fmaf(bias, p.dense.bias_to_score, sc[i]);
             }
             bool hidden_by_mask = false;
             if constexpr (kMask) {

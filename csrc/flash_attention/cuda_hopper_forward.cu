@@ -91,6 +91,10 @@ Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtens
   return Status::Ok();
 }
 
+namespace {
+
+// A bias (bf16/f16) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb) with
+// boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle.
 Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
   if (encode == nullptr) return Status::Internal("hopper flash attention: cuTensorMapEncodeTiled unavailable");
@@ -115,6 +119,18 @@ Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, C
   return Status::Ok();
 }
 
+}  // namespace
+
+Status PrepareDenseOperand(const ForwardParams& p, int box_rows, DenseOperand* dense) {
+  const TensorView& t = p.bias.present() ? p.bias : p.mask;
+  dense->per_batch = dense->per_head = 0;
+  dense->bias_to_score = 1.0f / p.softmax_scale;
+  if (!t.present()) return Status::Ok();
+  dense->per_batch = t.dim(0) > 1;
+  dense->per_head = t.dim(1) > 1;
+  return MakeDenseTensorMap(t, box_rows, p.bias.present() ? "bias" : "mask", &dense->map);
+}
+
 void SetSection(int section, KernelParams* kp) {
   kp->section = section;
   kp->div_section = FastDivisor(section);
@@ -128,14 +144,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.k, block_n, "key", &kp->tma_k));
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.v, block_n, "value", &kp->tma_v));
   EJK_RETURN_IF_ERROR(MakeTensorMap(p.out, 64, "output", &kp->tma_out));
-  const TensorView& dense = p.bias.present() ? p.bias : p.mask;
-  kp->dense_per_batch = kp->dense_per_head = 0;
-  kp->bias_to_score = 1.0f / p.softmax_scale;
-  if (dense.present()) {
-    EJK_RETURN_IF_ERROR(MakeDenseTensorMap(dense, block_m, p.bias.present() ? "bias" : "mask", &kp->tma_dense));
-    kp->dense_per_batch = dense.dim(0) > 1;
-    kp->dense_per_head = dense.dim(1) > 1;
-  }
+  EJK_RETURN_IF_ERROR(PrepareDenseOperand(p, block_m, &kp->dense));
   kp->out = p.out.data;
   kp->lse = p.lse.present() ? p.lse.ptr<float>() : nullptr;
   kp->sinks = p.softmax_aux.present() ? p.softmax_aux.data : nullptr;

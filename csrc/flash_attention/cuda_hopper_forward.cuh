@@ -73,6 +73,27 @@ struct TileConstants {
 // kBiasWithGrad, backward kernels only: a bias whose gradient the kernel also writes.
 enum class Elementwise { kNone, kSegmentIds, kBias, kMask, kBiasWithGrad };
 
+// A bias (bf16/f16) or mask (bytes) tile of kRows x kKeys in shared memory (none for other
+// features): [kRows][128 bytes] blocks of kBlockKeys keys in the 128-byte swizzle, as TMA
+// writes them from DenseOperand::map. The forward's are per key tile, the backward's per
+// query tile.
+template <Elementwise kFeature, int kRows, int kKeys>
+struct DenseTile {
+  static constexpr bool kBias = kFeature == Elementwise::kBias || kFeature == Elementwise::kBiasWithGrad;
+  static constexpr bool kPresent = kBias || kFeature == Elementwise::kMask;
+  static constexpr int kBlockKeys = kBias ? 64 : 128;
+  static constexpr int kBlockBytes = kRows * 128;
+  static constexpr int kBytes = kPresent ? kKeys / kBlockKeys * kBlockBytes : 0;
+  static_assert(!kPresent || kKeys % kBlockKeys == 0, "a dense tile is whole 128-byte rows");
+};
+
+// What the kernels read of a bias or mask [Bb, Hb, Sq, Sk] (PrepareDenseOperand).
+struct DenseOperand {
+  CUtensorMap map;               // (Sk, Sq, Hb, Bb), boxes of 128 bytes x the tile's rows
+  int per_batch, per_head;       // Bb > 1, Hb > 1 (a dimension of 1 broadcasts: coordinate 0)
+  float bias_to_score;           // 1 / softmax scale: a bias in raw q.k units
+};
+
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, Elementwise kFeature = Elementwise::kNone>
 struct SmemLayout {
   static constexpr int kBlockM = 64 * kWarpgroups;
@@ -95,13 +116,10 @@ struct SmemLayout {
   static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
   // Segment ids: the kv segment ids of each stage's key tile.
   static constexpr int kSegmentBytes = kFeature == Elementwise::kSegmentIds ? kStages * kBlockN * 4 : 0;
-  // A bias (bf16/f16) or mask (bytes) tile per stage: [kBlockM][128 bytes] blocks of 64 or 128
-  // keys in the 128-byte swizzle, as TMA writes them.
-  static constexpr int kDenseElementBytes = kFeature == Elementwise::kBias ? 2 : 1;
-  static constexpr bool kDense = kFeature == Elementwise::kBias || kFeature == Elementwise::kMask;
-  static constexpr int kDenseBlockKeys = 128 / kDenseElementBytes;
-  static constexpr int kDenseBlockBytes = kBlockM * 128;
-  static constexpr int kDenseTileBytes = kDense ? kBlockM * kBlockN * kDenseElementBytes : 0;
+  // A bias or mask tile per stage.
+  using Dense = DenseTile<kFeature, kBlockM, kBlockN>;
+  static constexpr bool kDense = Dense::kPresent;
+  static constexpr int kDenseTileBytes = Dense::kBytes;
   static constexpr int kDenseBytes = kStages * kDenseTileBytes;
   // Two Q slots where shared memory allows: the next tile's Q loads during the current tile,
   // and a finished tile's slot stages its O for a bulk tensor store.
@@ -130,7 +148,6 @@ struct SmemLayout {
   static constexpr int kBytes = kSegmentOffset + kSegmentBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "tile");
-  static_assert(!kDense || kBlockN % kDenseBlockKeys == 0, "a dense tile is whole 128-byte rows");
   static_assert(kAllocBytes <= 232448, "shared memory");
 };
 
@@ -138,11 +155,7 @@ struct SmemLayout {
 struct KernelParams {
   CUtensorMap tma_q, tma_k, tma_v;
   CUtensorMap tma_out;  // boxes of 64 rows: each consumer warpgroup stores its own rows
-  // The bias or mask [Bb, Hb, Sq, Sk] as (Sk, Sq, Hb, Bb), boxes of 128 bytes x kBlockM rows
-  // (dense kernels only); a dimension of 1 broadcasts (coordinate 0).
-  CUtensorMap tma_dense;
-  int dense_per_batch, dense_per_head;  // Bb > 1, Hb > 1
-  float bias_to_score;                  // 1 / softmax scale: a bias in raw q.k units
+  DenseOperand dense;  // a bias or mask, boxes of kBlockM rows (dense kernels only)
   void* out;
   float* lse;
   const void* sinks;  // [Hq], any float dtype, or null
@@ -751,7 +764,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     PrefetchTmaDescriptor(&p.tma_k);
     PrefetchTmaDescriptor(&p.tma_v);
     if constexpr (kQStages == 2) PrefetchTmaDescriptor(&p.tma_out);
-    if constexpr (kDense) PrefetchTmaDescriptor(&p.tma_dense);
+    if constexpr (kDense) PrefetchTmaDescriptor(&p.dense.map);
   }
   __syncthreads();
 
@@ -824,10 +837,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           if constexpr (kDense) {
             // Rows and keys past the tensor are zero-filled (masked or never stored).
 #pragma unroll
-            for (int b = 0; b < kBlockN / L::kDenseBlockKeys; ++b) {
-              TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::kDenseBlockBytes, &p.tma_dense,
-                        v_full(s), t.k_begin + n * kBlockN + b * L::kDenseBlockKeys, t.q_begin + t.m0,
-                        p.dense_per_head ? head : 0, p.dense_per_batch ? batch : 0);
+            for (int b = 0; b < kBlockN / L::Dense::kBlockKeys; ++b) {
+              TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::Dense::kBlockBytes, &p.dense.map,
+                        v_full(s), t.k_begin + n * kBlockN + b * L::Dense::kBlockKeys, t.q_begin + t.m0,
+                        p.dense.per_head ? head : 0, p.dense.per_batch ? batch : 0);
             }
           }
 #pragma unroll
@@ -1012,7 +1025,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
                   uint32_t pair;
                   asm volatile("ld.shared.b32 %0, [%1];\n"
                                : "=r"(pair)
-                               : "r"(tile + r * 8 * 128 + (j / 8) * L::kDenseBlockBytes + (((j % 8) ^ g) * 16) + 4 * t4)
+                               : "r"(tile + r * 8 * 128 + (j / 8) * L::Dense::kBlockBytes + (((j % 8) ^ g) * 16) + 4 * t4)
                                : "memory");
                   float2 bias;
                   if constexpr (kF16) {
@@ -1020,14 +1033,14 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
                   } else {
                     bias = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
                   }
-                  s[4 * j + 2 * r] = fmaf(bias.x, p.bias_to_score, s[4 * j + 2 * r]);
-                  s[4 * j + 2 * r + 1] = fmaf(bias.y, p.bias_to_score, s[4 * j + 2 * r + 1]);
+                  s[4 * j + 2 * r] = fmaf(bias.x, p.dense.bias_to_score, s[4 * j + 2 * r]);
+                  s[4 * j + 2 * r + 1] = fmaf(bias.y, p.dense.bias_to_score, s[4 * j + 2 * r + 1]);
                 } else {
                   // Keys 8j + 2t, +1: bytes of 16-byte chunk j / 2 (of 8 per 128-key block).
                   uint16_t pair;
                   asm volatile("ld.shared.u16 %0, [%1];\n"
                                : "=h"(pair)
-                               : "r"(tile + r * 8 * 128 + (j / 16) * L::kDenseBlockBytes +
+                               : "r"(tile + r * 8 * 128 + (j / 16) * L::Dense::kBlockBytes +
                                      ((((j / 2) % 8) ^ g) * 16) + (j % 2) * 8 + 2 * t4)
                                : "memory");
                   if ((pair & 0xffu) == 0) s[4 * j + 2 * r] = -INFINITY;
@@ -1326,10 +1339,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 // A bf16/f16 [B, S, H, D] tensor as a 4-d TMA map (D, H, S, B) with boxes of 64 x 1 x
 // box_rows x 1 in the 128-byte swizzle (the backward's loads use it too).
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
-// A bias (bf16/f16) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb) with
-// boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle (the backward's too).
-Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
-// Also the bias or mask's map (boxes of 128 bytes x block_m rows) where the call has one.
+// The call's bias or mask, if any, for tiles of box_rows rows (the forward's and the backward's).
+Status PrepareDenseOperand(const ForwardParams& p, int box_rows, DenseOperand* dense);
+// Also the bias or mask (PrepareDenseOperand) for tiles of block_m rows.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
 // Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of
 // their decode; PrepareKernelParams sets plain head-major order (1).

@@ -151,15 +151,9 @@ TEST(MmaForwardTiles, PerElementFeaturesTakeTheNarrowTileUpTo128) {
   EXPECT_EQ(ChooseMmaForwardTile(80, true, CudaConfig{}), (CudaConfig{0, 0, 0, 0}));
 }
 
-ForwardCall WithBias(ForwardCall c) {
-  c.bias = true;
-  return c;
-}
-
-ForwardCall WithMask(ForwardCall c) {
-  c.mask = true;
-  return c;
-}
+// The call with a bias or with a mask.
+ForwardCall WithBias(ForwardCall c) { return c.bias = true, c; }
+ForwardCall WithMask(ForwardCall c) { return c.mask = true, c; }
 
 TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTileUpToHeadDim128) {
   for (int64_t head_dim : {64, 96, 128}) {

@@ -103,6 +103,9 @@ def extra_cases() -> list[Case]:
         Case("mask", 4, 4096, 16, 128, dense="mask"),
         Case("dbias", 4, 4096, 16, 128, dense="bias", dense_grad=True),
         Case("dbias", 4, 4096, 16, 128, causal=True, dense="bias", dense_grad=True),
+        # A learned relative-position bias at d=64, as in T5.
+        Case("bias_d64", 4, 4096, 32, 64, dense="bias"),
+        Case("dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True),
     ]
 
 

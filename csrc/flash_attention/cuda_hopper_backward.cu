@@ -120,16 +120,6 @@ bool DbiasSummed(const BackwardParams& p, const Dims& d) {
   return p.dbias.present() && (p.dbias.dim(0) != d.batch || p.dbias.dim(1) != d.num_q_heads);
 }
 
-// Whether the kernel for a bias (its gradient or not; else a mask) at this head dim fits in
-// shared memory.
-bool DenseFits(int64_t head_dim, bool bias) {
-  switch (PaddedDimFor(head_dim)) {
-    case 64: return bias ? Layout<64, Elementwise::kBias>::kFits : Layout<64, Elementwise::kMask>::kFits;
-    case 128: return bias ? Layout<128, Elementwise::kBias>::kFits : Layout<128, Elementwise::kMask>::kFits;
-    default: return false;
-  }
-}
-
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
 // and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and padded_dim / 8 lanes
@@ -339,10 +329,6 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
     if (p.deterministic && hopper_backward::DbiasSummed(p, dims)) {
       return no("deterministic mode with the gradient of a broadcast bias is not supported");
-    }
-    if (!hopper_backward::DenseFits(dims.head_dim, f.bias.present())) {
-      return no(std::string(f.bias.present() ? "a bias" : "a mask") + " at head_dim " + std::to_string(dims.head_dim) +
-                " does not fit in shared memory");
     }
   }
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");

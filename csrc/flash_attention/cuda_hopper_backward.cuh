@@ -149,12 +149,16 @@ struct Layout {
   // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
   static constexpr int BytesFor(int stages) {
     return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseTileBytes) + kDsBuffers * kDsBytes +
-           (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + kQIdBytes) + 8 * (1 + 3 * stages) + 1024;
+           (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + kQIdBytes) + 8 * (1 + 3 * stages);
   }
+  static constexpr int kMaxBytes = 232448;
   // A third stage where it fits (head dim 128): the next items' loads then start two items ahead.
-  static constexpr int kStages = BytesFor(3) <= 232448 ? 3 : 2;
-  // Whether the kernel fits in shared memory (a bias at head dim 64 does not, by 56 bytes).
-  static constexpr bool kFits = BytesFor(kStages) <= 232448;
+  static constexpr int kStages = BytesFor(3) + 1024 <= kMaxBytes ? 3 : 2;
+  static constexpr bool kFits = BytesFor(kStages) <= kMaxBytes;
+  // The 128-byte swizzle wants the tiles 1024-byte aligned, which the declaration of the
+  // dynamic shared memory asks of the loader. Where there is room the kernel also rounds the
+  // base up itself; a bias at head dim 64 leaves 968 bytes, so there it checks the base instead.
+  static constexpr int kAlignSlack = BytesFor(kStages) + 1024 <= kMaxBytes ? 1024 : 0;
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKvTileBytes;
   static constexpr int kQ = kV + kKvTileBytes;
@@ -168,9 +172,9 @@ struct Layout {
   static constexpr int kBarriers = kQIds + kStages * kQIdBytes;
   // kv_full, q_full[kStages], do_full[kStages], empty[kStages].
   static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
-  static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
+  static constexpr int kAllocBytes = kBytes + kAlignSlack;
   static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
-  static_assert(kAllocBytes == BytesFor(kStages), "shared memory");
+  static_assert(kBytes == BytesFor(kStages), "shared memory");
   static_assert(!kDense || !kSplitQueries, "dense tiles: split keys only");
 };
 
@@ -428,6 +432,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   constexpr bool kSplitQueries = L::kSplitQueries;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
+  if constexpr (L::kAlignSlack == 0) {
+    if ((SmemAddr(smem_raw) & 1023u) != 0) __trap();  // never, if the loader keeps the declaration
+  }
   const uint32_t smem = (SmemAddr(smem_raw) + 1023u) & ~1023u;
   uint8_t* const smem_ptr = smem_raw + (smem - SmemAddr(smem_raw));
   const uint32_t k_smem = smem + L::kK;
@@ -1050,11 +1057,9 @@ template <int kHeadDim>
 Status LaunchDense(const KernelParams& kp, bool f16, Elementwise feature, int batch, cudaStream_t stream) {
   if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
     if (feature == Elementwise::kMask) return LaunchDType<kHeadDim, false, Elementwise::kMask>(kp, f16, batch, stream);
-    if constexpr (Layout<kHeadDim, Elementwise::kBias>::kFits) {
-      if (feature == Elementwise::kBias) return LaunchDType<kHeadDim, false, Elementwise::kBias>(kp, f16, batch, stream);
-      if (feature == Elementwise::kBiasWithGrad) {
-        return LaunchDType<kHeadDim, false, Elementwise::kBiasWithGrad>(kp, f16, batch, stream);
-      }
+    if (feature == Elementwise::kBias) return LaunchDType<kHeadDim, false, Elementwise::kBias>(kp, f16, batch, stream);
+    if (feature == Elementwise::kBiasWithGrad) {
+      return LaunchDType<kHeadDim, false, Elementwise::kBiasWithGrad>(kp, f16, batch, stream);
     }
   }
   return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +

@@ -74,7 +74,7 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
     calls += 1
 # A bias or a mask alone on the Hopper kernels (keys a multiple of 16), broadcast or not,
 # causal or not, deterministic or not; gradients of q, k and v, and of the bias (the Hopper
-# backward, but for a bias at d64).
+# backward).
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(2, 1, seq_q, seq_k)

@@ -221,6 +221,10 @@ CASES = [
          kv_heads=1, head_dim=96, bias="1H", bias_constant=True, deterministic=True),
     Case("tiles_mask_hopper_deterministic_f16_d64_window", dtype="float16", batch=1, seq_q=333, seq_k=400,
          q_heads=4, kv_heads=2, window=(100, 20), mask="1H", deterministic=True),
+    Case("tiles_bias_hopper_dbias_bf16_d64_causal", dtype="bfloat16", batch=2, seq_q=300, seq_k=272, q_heads=4,
+         kv_heads=2, causal=True, bias="BH"),
+    Case("tiles_bias_hopper_deterministic_f16_d64", dtype="float16", batch=1, seq_q=333, seq_k=144, q_heads=2,
+         kv_heads=1, bias="1H", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a

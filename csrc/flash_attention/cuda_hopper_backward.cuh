@@ -224,10 +224,10 @@ Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStr
 // Calls with segment ids; instantiated per head dim in cuda_hopper_backward_segments_hdim*.cu.
 template <int kHeadDim>
 Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
-// Calls with a bias (its gradient or not) or a mask (`feature`; no soft cap); instantiated per
-// head dim in cuda_hopper_backward_dense_hdim*.cu.
+// Calls with a bias (its gradient or not) or a mask (`feature`); instantiated per head dim in
+// cuda_hopper_backward_dense_hdim*.cu.
 template <int kHeadDim>
-Status LaunchDense(const KernelParams& kp, bool f16, Elementwise feature, int batch, cudaStream_t stream);
+Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch, cudaStream_t stream);
 
 #if EJK_HOPPER_DEVICE_CODE
 namespace device {
@@ -630,15 +630,20 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   for (int i = 0; i < kAcc; ++i) dk[i] = dv[i] = 0.0f;
 
   // P^T and dS^T from the recomputed S^T and dP^T (masks are applied by the caller).
-  const auto prob_and_grad = [&](float& sc, float& dp, float l, float d) {
+  // P and dS (of q.k) from a score and dP; dlogit gets the gradient of the logit, which is
+  // also the bias's. Under a soft cap a bias comes after it (semantics.h), in the capped
+  // score's units (bias_after_cap, dense kernels only).
+  constexpr bool kBiasAfterCap = kSoftcap && L::Dense::kBias;
+  const auto prob_and_grad = [&](float& sc, float& dp, float l, float d, float bias_after_cap, float& dlogit) {
     float pv, ds;
     if constexpr (kSoftcap) {
       const float t = Tanh(sc * p.softcap_pre);
-      pv = Exp2(fmaf(t, p.logit_scale, -l));
-      ds = pv * (dp - d) * (1.0f - t * t);
+      pv = Exp2(fmaf(kBiasAfterCap ? t + bias_after_cap : t, p.logit_scale, -l));
+      dlogit = pv * (dp - d);
+      ds = dlogit * (1.0f - t * t);
     } else {
       pv = Exp2(fmaf(sc, p.logit_scale, -l));
-      ds = pv * (dp - d);
+      ds = dlogit = pv * (dp - d);
     }
     sc = pv;
     dp = ds;
@@ -752,7 +757,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
-            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
+            float dlogit;  // no bias in this layout
+            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, 0.0f, dlogit);
             if (masked && (hidden(n0 + key_row + 8 * r, m0 + q_col + c) | other_segment(c ? ids.y : ids.x, r))) {
               sc[i] = dp[i] = 0.0f;
             }
@@ -856,6 +862,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
+            float bias_after_cap = 0.0f, dlogit;
             if constexpr (L::Dense::kBias) {
               uint16_t bits;
               asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(dense_at(j, r, c)) : "memory");
@@ -865,7 +872,11 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
               } else {
                 bias = __bfloat162float(__ushort_as_bfloat16(bits));
               }
-              sc[i] = fmaf(bias, p.dense.bias_to_score, sc[i]);
+              if constexpr (kBiasAfterCap) {
+                bias_after_cap = bias * p.dense.bias_to_score;
+              } else {
+                sc[i] = fmaf(bias, p.dense.bias_to_score, sc[i]);
+              }
             }
             bool hidden_by_mask = false;
             if constexpr (kMask) {
@@ -873,22 +884,21 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
               asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(shown) : "r"(dense_at(j, r, c)) : "memory");
               hidden_by_mask = shown == 0;
             }
-            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x);
+            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, bias_after_cap, dlogit);
             if (masked && (hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c) | other_segment(c ? ids.y : ids.x, r) |
                            hidden_by_mask)) {
-              sc[i] = dp[i] = 0.0f;
+              sc[i] = dp[i] = dlogit = 0.0f;
             }
             if constexpr (kBiasGrad) {
-              // dS, the gradient of the logit, is the bias's (no soft cap with a bias here).
               const int query = m0 + 8 * j + 2 * t4 + c, key = n0 + key_row + 8 * r;
-              if (dp[i] != 0.0f && query < sq && key < sk) {
+              if (dlogit != 0.0f && query < sq && key < sk) {
                 float* at = dbias_rows + static_cast<int64_t>(query) * sk + key;
                 // Reductions and stores, no loads: a read-modify-write here stalled the
                 // consumers on each load (forward+backward 22.1 against 9.3 ms, H100).
                 if (p.dbias_atomic) {
-                  atomicAdd(at, dp[i]);
+                  atomicAdd(at, dlogit);
                 } else {
-                  *at = dp[i];
+                  *at = dlogit;
                 }
               }
             }
@@ -1054,12 +1064,12 @@ Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch,
 }
 
 template <int kHeadDim>
-Status LaunchDense(const KernelParams& kp, bool f16, Elementwise feature, int batch, cudaStream_t stream) {
+Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch, cudaStream_t stream) {
   if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
-    if (feature == Elementwise::kMask) return LaunchDType<kHeadDim, false, Elementwise::kMask>(kp, f16, batch, stream);
-    if (feature == Elementwise::kBias) return LaunchDType<kHeadDim, false, Elementwise::kBias>(kp, f16, batch, stream);
+    if (feature == Elementwise::kMask) return LaunchVariant<kHeadDim, Elementwise::kMask>(kp, f16, softcap, batch, stream);
+    if (feature == Elementwise::kBias) return LaunchVariant<kHeadDim, Elementwise::kBias>(kp, f16, softcap, batch, stream);
     if (feature == Elementwise::kBiasWithGrad) {
-      return LaunchDType<kHeadDim, false, Elementwise::kBiasWithGrad>(kp, f16, batch, stream);
+      return LaunchVariant<kHeadDim, Elementwise::kBiasWithGrad>(kp, f16, softcap, batch, stream);
     }
   }
   return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +

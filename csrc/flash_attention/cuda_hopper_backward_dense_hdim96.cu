@@ -5,6 +5,6 @@
 #include "flash_attention/cuda_hopper_backward.cuh"
 
 namespace ejk::flash_attention::hopper_backward {
-template Status LaunchDense<96>(const KernelParams&, bool, Elementwise, int, cudaStream_t);
+template Status LaunchDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 }  // namespace ejk::flash_attention::hopper_backward
 #endif

@@ -124,7 +124,8 @@ Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, C
 Status PrepareDenseOperand(const ForwardParams& p, int box_rows, DenseOperand* dense) {
   const TensorView& t = p.bias.present() ? p.bias : p.mask;
   dense->per_batch = dense->per_head = 0;
-  dense->bias_to_score = 1.0f / p.softmax_scale;
+  // The score the kernels add a bias to: q.k, or with a soft cap tanh(scale q.k / cap).
+  dense->bias_to_score = 1.0f / (p.logits_soft_cap > 0.0f ? p.logits_soft_cap : p.softmax_scale);
   if (!t.present()) return Status::Ok();
   dense->per_batch = t.dim(0) > 1;
   dense->per_head = t.dim(1) > 1;

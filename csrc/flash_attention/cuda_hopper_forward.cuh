@@ -91,7 +91,7 @@ struct DenseTile {
 struct DenseOperand {
   CUtensorMap map;               // (Sk, Sq, Hb, Bb), boxes of 128 bytes x the tile's rows
   int per_batch, per_head;       // Bb > 1, Hb > 1 (a dimension of 1 broadcasts: coordinate 0)
-  float bias_to_score;           // 1 / softmax scale: a bias in raw q.k units
+  float bias_to_score;           // 1 / softmax scale (a bias in raw q.k units), or 1 / soft cap
 };
 
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, Elementwise kFeature = Elementwise::kNone>
@@ -1475,18 +1475,18 @@ Status LaunchSegments(const CudaForwardArgs& args, const CudaConfig& cfg, cudaSt
   return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds>(args, cfg, stream);
 }
 
-// Calls with a bias or an attention mask (DenseUnsupportedReason: one of them, no soft cap,
-// head dims up to 128); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
+// Calls with a bias or an attention mask (DenseUnsupportedReason: one of them, head dims up
+// to 128); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   if constexpr (kHeadDim <= 128) {
     const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
     if (args.p.bias.present()) {
-      return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBias>(args, cfg, stream)
-                    : LaunchDType<kHeadDim, false, false, Elementwise::kBias>(args, cfg, stream);
+      return masked ? LaunchMasked<kHeadDim, true, Elementwise::kBias>(args, cfg, stream)
+                    : LaunchMasked<kHeadDim, false, Elementwise::kBias>(args, cfg, stream);
     }
-    return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kMask>(args, cfg, stream)
-                  : LaunchDType<kHeadDim, false, false, Elementwise::kMask>(args, cfg, stream);
+    return masked ? LaunchMasked<kHeadDim, true, Elementwise::kMask>(args, cfg, stream)
+                  : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
   } else {
     return Status::Internal("hopper flash attention: no bias or mask kernel at head_dim " + std::to_string(kHeadDim));
   }

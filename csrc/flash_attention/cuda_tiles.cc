@@ -68,7 +68,6 @@ std::string DenseUnsupportedReason(const ForwardCall& c) {
   // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
   if (c.varlen) return "bias or mask with packed sequences is not supported";
   if (c.head_dim > 128) return "bias or mask above head_dim 128 is not supported";
-  if (c.soft_cap) return "bias or mask with logits_soft_cap is not supported";
   if (c.bias && !c.bias_dtype_matches) return "the bias dtype must be the query's";
   if (c.bias && c.seqlen_k % 8 != 0) return "a bias needs seqlen_k a multiple of 8";
   if (c.mask && c.seqlen_k % 16 != 0) return "a mask needs seqlen_k a multiple of 16";

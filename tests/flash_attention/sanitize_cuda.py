@@ -73,13 +73,13 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
                                           return_lse=True))
     calls += 1
 # A bias or a mask alone on the Hopper kernels (keys a multiple of 16), broadcast or not,
-# causal or not, deterministic or not; gradients of q, k and v, and of the bias (the Hopper
+# causal or not, soft-capped or not, deterministic or not; gradients of q, k and v, and of the bias (the Hopper
 # backward).
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(2, 1, seq_q, seq_k)
     mask = jnp.asarray(rng.random((1, 4, seq_q, seq_k)) > 0.2)
-    for dense in (dict(bias=bias), dict(attention_mask=mask, causal=True),
+    for dense in (dict(bias=bias), dict(attention_mask=mask, causal=True), dict(bias=bias, logits_soft_cap=5.0),
                   dict(bias=bias, causal=True, deterministic=True), dict(attention_mask=mask, deterministic=True)):
         def dense_loss(q, k, v):
             return jnp.sum(flash_attention(q, k, v, platform="cuda", **dense).astype(jnp.float32) ** 2)

@@ -225,6 +225,15 @@ CASES = [
          kv_heads=2, causal=True, bias="BH"),
     Case("tiles_bias_hopper_deterministic_f16_d64", dtype="float16", batch=1, seq_q=333, seq_k=144, q_heads=2,
          kv_heads=1, bias="1H", deterministic=True),
+    # A soft cap with a bias (added after the cap) or a mask.
+    Case("tiles_bias_hopper_softcap_bf16_d128_causal", dtype="bfloat16", batch=2, seq_q=200, seq_k=264, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, soft_cap=6.0, bias="1H"),
+    Case("tiles_bias_hopper_softcap_f16_d64", dtype="float16", batch=1, seq_q=333, seq_k=400, q_heads=2,
+         kv_heads=1, soft_cap=5.0, bias="BH"),
+    Case("tiles_mask_hopper_softcap_bf16_d96_window", dtype="bfloat16", batch=2, seq_q=150, seq_k=272, q_heads=2,
+         kv_heads=1, head_dim=96, window=(60, 10), soft_cap=8.0, mask="B1"),
+    Case("tiles_bias_hopper_softcap_deterministic_bf16_d128", dtype="bfloat16", batch=1, seq_q=260, seq_k=136,
+         q_heads=4, kv_heads=1, head_dim=128, soft_cap=4.0, bias="BH", deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
@@ -638,10 +647,10 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     assert config_candidates("cuda", args(512, 128, bias=bias)) == [narrow]
     mask = jnp.asarray(rng.random((2, 1, 512, 512)) < 0.5)
     assert heuristic_config("cuda", args(512, 64, attention_mask=mask, causal=True)) == narrow
-    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias, a
-    # bias with a soft cap, head dims above 128.
+    assert heuristic_config("cuda", args(512, 128, bias=bias, logits_soft_cap=5.0)) == narrow
+    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias, head
+    # dims above 128.
     assert heuristic_config("cuda", args(512, 128, bias=bias.astype(jnp.float32))) == tile(64, 64, 4, 2)
-    assert heuristic_config("cuda", args(512, 128, bias=bias, logits_soft_cap=5.0)) == tile(64, 64, 4, 2)
     assert heuristic_config("cuda", args(512, 256, bias=bias)) == tile(128, 64, 8, 2)
 
     q = jnp.asarray(rng.standard_normal((2, 1500, 4, 128)), jnp.bfloat16)

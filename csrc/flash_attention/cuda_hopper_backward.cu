@@ -25,16 +25,19 @@ namespace hopper_backward {
 extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
 extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
 extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
@@ -274,6 +277,13 @@ Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise
                      cudaStream_t stream) {
   if (feature != Elementwise::kNone) {  // a bias or a mask
     if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
+      if (kp.q_segment_ids != nullptr) {
+        if constexpr (kSegmentIdsBuilt) {
+          return LaunchSegmentsDense<kHeadDim>(kp, f16, softcap, feature, batch, stream);
+        } else {
+          return FeatureNotBuilt("segment_ids");
+        }
+      }
       return LaunchDense<kHeadDim>(kp, f16, softcap, feature, batch, stream);
     } else {
       return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +

@@ -27,6 +27,8 @@
 // from shared memory (the bias into S^T before P^T, the mask like the causal one). The bias's
 // gradient, where wanted, is dS^T, which each thread writes into dbias from registers (by
 // atomics where the bias broadcasts, so that several (batch, head) pairs add into an element).
+// With a soft cap the bias comes after it, and dbias is the logit's gradient before the cap's
+// derivative. Segment ids may come with either.
 //
 // Segment ids: every query tile is masked element-wise, by its rows' ids (a bulk copy with the
 // tile's lse) against the thread's keys' ids (loaded once). A block skips the query tiles
@@ -116,11 +118,12 @@ struct BlockM<256> {
   static constexpr int kValue = 64;
 };
 
-// kFeature: segment ids (each stage also holds its query tile's ids) or a dense bias or mask
-// (each stage also holds its query tile's [kBlockM x kBlockN] tile of it; split keys only).
+// kFeature: segment ids (each stage also holds its query tile's ids where there is room), a
+// dense bias or mask (each stage also holds its query tile's [kBlockM x kBlockN] tile of it;
+// split keys only), or both.
 template <int kHeadDim, Elementwise kFeature = Elementwise::kNone>
 struct Layout {
-  static constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
+  static constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
   static constexpr int kPaddedDim = PaddedHeadDim<kHeadDim>::kValue;
   static constexpr bool kSplitQueries = kPaddedDim == 256;
   static constexpr int kBlockM = BlockM<kPaddedDim>::kValue;
@@ -141,24 +144,28 @@ struct Layout {
   static constexpr bool kLateDq = kPaddedDim == 128;
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kPaddedDim;
-  static constexpr int kQIdBytes = kSegments ? kBlockM * 4 : 0;  // per stage
   // The bias or mask tile per stage.
   using Dense = hopper::DenseTile<kFeature, kBlockM, kBlockN>;
   static constexpr bool kDense = Dense::kPresent;
   static constexpr int kDenseTileBytes = Dense::kBytes;
-  // Bytes for `stages` stages of the Q/dO ring (the rest is fixed).
-  static constexpr int BytesFor(int stages) {
+  // Bytes for `stages` stages of the Q/dO ring, with `q_id_bytes` of segment ids per stage
+  // (the rest is fixed).
+  static constexpr int BytesFor(int stages, int q_id_bytes) {
     return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseTileBytes) + kDsBuffers * kDsBytes +
-           (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + kQIdBytes) + 8 * (1 + 3 * stages);
+           (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + q_id_bytes) + 8 * (1 + 3 * stages);
   }
   static constexpr int kMaxBytes = 232448;
+  static constexpr int kStagedQIdBytes = kSegments ? kBlockM * 4 : 0;
   // A third stage where it fits (head dim 128): the next items' loads then start two items ahead.
-  static constexpr int kStages = BytesFor(3) + 1024 <= kMaxBytes ? 3 : 2;
-  static constexpr bool kFits = BytesFor(kStages) <= kMaxBytes;
+  static constexpr int kStages = BytesFor(3, kStagedQIdBytes) + 1024 <= kMaxBytes ? 3 : 2;
+  // Each stage holds its query tile's segment ids where there is room; with a bias at head dim
+  // 64 there is not (968 bytes spare), and the consumers read them from global memory.
+  static constexpr int kQIdBytes = BytesFor(kStages, kStagedQIdBytes) <= kMaxBytes ? kStagedQIdBytes : 0;
+  static constexpr bool kFits = BytesFor(kStages, kQIdBytes) <= kMaxBytes;
   // The 128-byte swizzle wants the tiles 1024-byte aligned, which the declaration of the
   // dynamic shared memory asks of the loader. Where there is room the kernel also rounds the
   // base up itself; a bias at head dim 64 leaves 968 bytes, so there it checks the base instead.
-  static constexpr int kAlignSlack = BytesFor(kStages) + 1024 <= kMaxBytes ? 1024 : 0;
+  static constexpr int kAlignSlack = BytesFor(kStages, kQIdBytes) + 1024 <= kMaxBytes ? 1024 : 0;
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKvTileBytes;
   static constexpr int kQ = kV + kKvTileBytes;
@@ -174,7 +181,7 @@ struct Layout {
   static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
   static constexpr int kAllocBytes = kBytes + kAlignSlack;
   static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
-  static_assert(kBytes == BytesFor(kStages), "shared memory");
+  static_assert(kBytes == BytesFor(kStages, kQIdBytes), "shared memory");
   static_assert(!kDense || !kSplitQueries, "dense tiles: split keys only");
 };
 
@@ -224,10 +231,14 @@ Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStr
 // Calls with segment ids; instantiated per head dim in cuda_hopper_backward_segments_hdim*.cu.
 template <int kHeadDim>
 Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream);
-// Calls with a bias (its gradient or not) or a mask (`feature`); instantiated per head dim in
-// cuda_hopper_backward_dense_hdim*.cu.
+// Calls with a bias (its gradient or not) or a mask (`feature`), without or with segment ids;
+// instantiated per head dim in cuda_hopper_backward_dense_hdim*.cu and
+// cuda_hopper_backward_segments_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch, cudaStream_t stream);
+template <int kHeadDim>
+Status LaunchSegmentsDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                           cudaStream_t stream);
 
 #if EJK_HOPPER_DEVICE_CODE
 namespace device {
@@ -415,7 +426,8 @@ constexpr int kBarDqDone = 8;    // + wg: warpgroup wg added its dQ into the til
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-// kFeature: segment ids, a bias or a mask, applied element-wise in every query tile.
+// kFeature: segment ids, a bias or a mask, or segment ids with one of those, applied
+// element-wise in every query tile.
 // kDeterministic: dQ added in a fixed order (p.dq_turns); its own kernels, so that the others
 // carry none of its code.
 template <int kHeadDim, bool kF16, bool kSoftcap, Elementwise kFeature, bool kDeterministic>
@@ -424,8 +436,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   using namespace device;
   using L = Layout<kHeadDim, kFeature>;
   constexpr bool kSegments = L::kSegments;
-  constexpr bool kMask = kFeature == Elementwise::kMask;
-  constexpr bool kBiasGrad = kFeature == Elementwise::kBiasWithGrad;
+  constexpr bool kMask = Has(kFeature, Elementwise::kMask);
+  constexpr bool kBiasGrad = Has(kFeature, Elementwise::kBiasWithGrad);
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kColBlocks = L::kColBlocks;
@@ -541,7 +553,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           }
         }
         BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
-        if constexpr (kSegments) {
+        if constexpr (L::kQIdBytes > 0) {
           BulkLoad(smem + L::kQIds + s * L::kQIdBytes, p.q_segment_ids + static_cast<int64_t>(batch) * p.padded_q + m0,
                    L::kQIdBytes, q_full(s));
         }
@@ -835,7 +847,10 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
       const bool masked = kSegments || kMask || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
                           n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
-      const int* q_ids = reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes);
+      // The tile's query ids: staged with the tile, or the padded copy in global memory.
+      const int* q_ids = L::kQIdBytes > 0 || !kSegments
+                             ? reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes)
+                             : p.q_segment_ids + static_cast<int64_t>(batch) * p.padded_q + m0;
       // The bias or mask tile: element (query q, key wg * 64 + 16 warp + 8 r + g) sits in row q,
       // 16-byte chunk ((key % Dense::kBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
       const uint32_t dense_tile = smem + L::kDenseOffset + s * L::kDenseTileBytes;
@@ -1063,17 +1078,34 @@ Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch,
   return LaunchVariant<kHeadDim, Elementwise::kSegmentIds>(kp, f16, softcap, batch, stream);
 }
 
-template <int kHeadDim>
-Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch, cudaStream_t stream) {
+// `feature` (a bias, its gradient or not, or a mask) with kWith (segment ids, or nothing).
+template <int kHeadDim, Elementwise kWith>
+Status LaunchDenseWith(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                       cudaStream_t stream) {
   if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
-    if (feature == Elementwise::kMask) return LaunchVariant<kHeadDim, Elementwise::kMask>(kp, f16, softcap, batch, stream);
-    if (feature == Elementwise::kBias) return LaunchVariant<kHeadDim, Elementwise::kBias>(kp, f16, softcap, batch, stream);
+    if (feature == Elementwise::kMask) {
+      return LaunchVariant<kHeadDim, kWith | Elementwise::kMask>(kp, f16, softcap, batch, stream);
+    }
+    if (feature == Elementwise::kBias) {
+      return LaunchVariant<kHeadDim, kWith | Elementwise::kBias>(kp, f16, softcap, batch, stream);
+    }
     if (feature == Elementwise::kBiasWithGrad) {
-      return LaunchVariant<kHeadDim, Elementwise::kBiasWithGrad>(kp, f16, softcap, batch, stream);
+      return LaunchVariant<kHeadDim, kWith | Elementwise::kBiasWithGrad>(kp, f16, softcap, batch, stream);
     }
   }
   return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +
                           std::to_string(kHeadDim));
+}
+
+template <int kHeadDim>
+Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch, cudaStream_t stream) {
+  return LaunchDenseWith<kHeadDim, Elementwise::kNone>(kp, f16, softcap, feature, batch, stream);
+}
+
+template <int kHeadDim>
+Status LaunchSegmentsDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                           cudaStream_t stream) {
+  return LaunchDenseWith<kHeadDim, Elementwise::kSegmentIds>(kp, f16, softcap, feature, batch, stream);
 }
 
 }  // namespace ejk::flash_attention::hopper_backward

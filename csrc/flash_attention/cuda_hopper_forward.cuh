@@ -68,10 +68,31 @@ struct TileConstants {
                        kMaxPairedMBlocks = kTile.max_paired_m_blocks;
 };
 
-// The per-element feature a kernel reads with each key tile (a template parameter): none,
-// segment ids (the keys' ids), or a dense bias or attention mask ([kBlockM x kBlockN] tile);
-// kBiasWithGrad, backward kernels only: a bias whose gradient the kernel also writes.
-enum class Elementwise { kNone, kSegmentIds, kBias, kMask, kBiasWithGrad };
+// The per-element features a kernel reads with each tile (a template parameter), as flags:
+// segment ids (the keys' ids), a dense bias or attention mask ([kBlockM x kBlockN] tile), or
+// segment ids with one of those; kBiasWithGrad, backward kernels only: a bias whose gradient
+// the kernel also writes. Every combination a kernel is built for has a name: nvcc's host stubs
+// spell a kernel's enum template arguments by their enumerators.
+enum class Elementwise : unsigned {
+  kNone = 0,
+  kSegmentIds = 1,
+  kBias = 2,
+  kMask = 4,
+  kBiasWithGrad = 8 | kBias,
+  kSegmentIdsBias = kSegmentIds | kBias,
+  kSegmentIdsMask = kSegmentIds | kMask,
+  kSegmentIdsBiasWithGrad = kSegmentIds | kBiasWithGrad,
+};
+constexpr Elementwise operator|(Elementwise a, Elementwise b) {
+  return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+// Whether `features` include all of `part`'s flags.
+constexpr bool Has(Elementwise features, Elementwise part) {
+  return (static_cast<unsigned>(features) & static_cast<unsigned>(part)) == static_cast<unsigned>(part);
+}
+constexpr bool HasDense(Elementwise features) {
+  return Has(features, Elementwise::kBias) || Has(features, Elementwise::kMask);
+}
 
 // A bias (bf16/f16) or mask (bytes) tile of kRows x kKeys in shared memory (none for other
 // features): [kRows][128 bytes] blocks of kBlockKeys keys in the 128-byte swizzle, as TMA
@@ -79,8 +100,8 @@ enum class Elementwise { kNone, kSegmentIds, kBias, kMask, kBiasWithGrad };
 // query tile.
 template <Elementwise kFeature, int kRows, int kKeys>
 struct DenseTile {
-  static constexpr bool kBias = kFeature == Elementwise::kBias || kFeature == Elementwise::kBiasWithGrad;
-  static constexpr bool kPresent = kBias || kFeature == Elementwise::kMask;
+  static constexpr bool kBias = Has(kFeature, Elementwise::kBias);
+  static constexpr bool kPresent = HasDense(kFeature);
   static constexpr int kBlockKeys = kBias ? 64 : 128;
   static constexpr int kBlockBytes = kRows * 128;
   static constexpr int kBytes = kPresent ? kKeys / kBlockKeys * kBlockBytes : 0;
@@ -115,7 +136,7 @@ struct SmemLayout {
   static constexpr int kKvBytes = 2 * kStages * kKvTileBytes;
   static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
   // Segment ids: the kv segment ids of each stage's key tile.
-  static constexpr int kSegmentBytes = kFeature == Elementwise::kSegmentIds ? kStages * kBlockN * 4 : 0;
+  static constexpr int kSegmentBytes = Has(kFeature, Elementwise::kSegmentIds) ? kStages * kBlockN * 4 : 0;
   // A bias or mask tile per stage.
   using Dense = DenseTile<kFeature, kBlockM, kBlockN>;
   static constexpr bool kDense = Dense::kPresent;
@@ -698,14 +719,14 @@ __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* h
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
 
-// kFeature: segment ids (never with packed sequences), a bias or a mask, applied element-wise
-// in every key tile.
+// kFeature: segment ids (never with packed sequences), a bias or a mask, or segment ids with
+// one of those, applied element-wise in every key tile.
 template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap, Elementwise kFeature>
 __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
   using namespace device;
   using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages, kFeature>;
-  constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
+  constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
   constexpr bool kDense = L::kDense;
   // Features whose per-key-tile data the V barrier guards: the softmax waits for it.
   constexpr bool kStagedKeys = kFeature != Elementwise::kNone;
@@ -990,6 +1011,45 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           *hi = min(tl.k_len, row + offset + p.right + 1) - c0 - 2 * t4;
           *lo = row + offset - p.left - c0 - 2 * t4;
         };
+        if constexpr (kDense) {
+          // The tile's bias or mask, in the shared memory of the stage that holds it (the
+          // caller waited for its V barrier). Row g + 8r of the warp's 16 is local row
+          // wg * 64 + warp * 16 + g + 8r, whose 16-byte chunks are swizzled by g.
+          const int g = lane / 4;
+          const uint32_t tile = smem + L::kDenseOffset + stage * L::kDenseTileBytes + (wg * 64 + warp * 16 + g) * 128;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+              if constexpr (L::Dense::kBias) {
+                // Keys 8j + 2t, +1: 16-byte chunk j % 8 of block j / 8.
+                uint32_t pair;
+                asm volatile("ld.shared.b32 %0, [%1];\n"
+                             : "=r"(pair)
+                             : "r"(tile + r * 8 * 128 + (j / 8) * L::Dense::kBlockBytes + (((j % 8) ^ g) * 16) + 4 * t4)
+                             : "memory");
+                float2 bias;
+                if constexpr (kF16) {
+                  bias = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+                } else {
+                  bias = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+                }
+                s[4 * j + 2 * r] = fmaf(bias.x, p.dense.bias_to_score, s[4 * j + 2 * r]);
+                s[4 * j + 2 * r + 1] = fmaf(bias.y, p.dense.bias_to_score, s[4 * j + 2 * r + 1]);
+              } else {
+                // Keys 8j + 2t, +1: bytes of 16-byte chunk j / 2 (of 8 per 128-key block).
+                uint16_t pair;
+                asm volatile("ld.shared.u16 %0, [%1];\n"
+                             : "=h"(pair)
+                             : "r"(tile + r * 8 * 128 + (j / 16) * L::Dense::kBlockBytes +
+                                   ((((j / 2) % 8) ^ g) * 16) + (j % 2) * 8 + 2 * t4)
+                             : "memory");
+                if ((pair & 0xffu) == 0) s[4 * j + 2 * r] = -INFINITY;
+                if ((pair >> 8) == 0) s[4 * j + 2 * r + 1] = -INFINITY;
+              }
+            }
+          }
+        }
         if constexpr (kSegments) {
           // The tile's key ids, in the shared memory of the stage that holds it (the caller
           // waited for its V barrier).
@@ -1009,58 +1069,17 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
               }
             }
           }
-        } else {
-          if constexpr (kDense) {
-            // The tile's bias or mask, in the shared memory of the stage that holds it (the
-            // caller waited for its V barrier). Row g + 8r of the warp's 16 is local row
-            // wg * 64 + warp * 16 + g + 8r, whose 16-byte chunks are swizzled by g.
-            const int g = lane / 4;
-            const uint32_t tile = smem + L::kDenseOffset + stage * L::kDenseTileBytes + (wg * 64 + warp * 16 + g) * 128;
+        } else if (masked) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
+          for (int r = 0; r < 2; ++r) {
+            int lo, hi;
+            visible_columns(r, &lo, &hi);
 #pragma unroll
-              for (int j = 0; j < kBlockN / 8; ++j) {
-                if constexpr (kFeature == Elementwise::kBias) {
-                  // Keys 8j + 2t, +1: 16-byte chunk j % 8 of block j / 8.
-                  uint32_t pair;
-                  asm volatile("ld.shared.b32 %0, [%1];\n"
-                               : "=r"(pair)
-                               : "r"(tile + r * 8 * 128 + (j / 8) * L::Dense::kBlockBytes + (((j % 8) ^ g) * 16) + 4 * t4)
-                               : "memory");
-                  float2 bias;
-                  if constexpr (kF16) {
-                    bias = __half22float2(*reinterpret_cast<const __half2*>(&pair));
-                  } else {
-                    bias = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
-                  }
-                  s[4 * j + 2 * r] = fmaf(bias.x, p.dense.bias_to_score, s[4 * j + 2 * r]);
-                  s[4 * j + 2 * r + 1] = fmaf(bias.y, p.dense.bias_to_score, s[4 * j + 2 * r + 1]);
-                } else {
-                  // Keys 8j + 2t, +1: bytes of 16-byte chunk j / 2 (of 8 per 128-key block).
-                  uint16_t pair;
-                  asm volatile("ld.shared.u16 %0, [%1];\n"
-                               : "=h"(pair)
-                               : "r"(tile + r * 8 * 128 + (j / 16) * L::Dense::kBlockBytes +
-                                     ((((j / 2) % 8) ^ g) * 16) + (j % 2) * 8 + 2 * t4)
-                               : "memory");
-                  if ((pair & 0xffu) == 0) s[4 * j + 2 * r] = -INFINITY;
-                  if ((pair >> 8) == 0) s[4 * j + 2 * r + 1] = -INFINITY;
-                }
-              }
-            }
-          }
-          if (masked) {
+            for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              int lo, hi;
-              visible_columns(r, &lo, &hi);
-#pragma unroll
-              for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                  const int col = 8 * j + c;
-                  if (col >= hi || col < lo) s[4 * j + 2 * r + c] = -INFINITY;
-                }
+              for (int c = 0; c < 2; ++c) {
+                const int col = 8 * j + c;
+                if (col >= hi || col < lo) s[4 * j + 2 * r + c] = -INFINITY;
               }
             }
           }
@@ -1356,7 +1375,7 @@ StatusOr<int> CurrentDeviceSms();
 template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   using L = SmemLayout<kHeadDim, C::kWarpgroups, C::kBlockN, C::kStages, kFeature>;
-  constexpr bool kSegments = kFeature == Elementwise::kSegmentIds;
+  constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
   static_assert(C::kMaxPairedMBlocks == 0 || L::kPairedSchedule, "pairs need two Q slots and two consumer warpgroups");
   KernelParams kp;
   EJK_RETURN_IF_ERROR(PrepareKernelParams(args, L::kBlockM, L::kBlockN, &kp));
@@ -1403,7 +1422,7 @@ template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFea
 Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   const ForwardTile tile = ChooseForwardTile(ForwardCallOf(args.p, args.dims), cfg);
   if constexpr (kHeadDim == 64) {
-    if constexpr (kFeature == Elementwise::kBias || kFeature == Elementwise::kMask) {
+    if constexpr (HasDense(kFeature)) {
       if (tile == kTileDense) {
         return LaunchConfig<kHeadDim, TileConstants<kTileDense>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
@@ -1412,13 +1431,13 @@ Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
         return LaunchConfig<kHeadDim, TileConstants<kTileD64Pairs>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
     }
-    if constexpr (kFeature != Elementwise::kBias && kFeature != Elementwise::kMask) {
+    if constexpr (!HasDense(kFeature)) {
       if (tile == kTileD64) {
         return LaunchConfig<kHeadDim, TileConstants<kTileD64>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
     }
   } else if constexpr (kHeadDim == 96 || kHeadDim == 128) {
-    if constexpr (kFeature == Elementwise::kBias || kFeature == Elementwise::kMask) {
+    if constexpr (HasDense(kFeature)) {
       if (tile == kTileDense) {
         return LaunchConfig<kHeadDim, TileConstants<kTileDense>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
@@ -1427,7 +1446,7 @@ Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
         return LaunchConfig<kHeadDim, TileConstants<kTileD128Wide>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
     }
-    if constexpr (kFeature != Elementwise::kBias && kFeature != Elementwise::kMask) {
+    if constexpr (!HasDense(kFeature)) {
       if (tile == kTileD128) {
         return LaunchConfig<kHeadDim, TileConstants<kTileD128>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
@@ -1492,10 +1511,25 @@ Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStrea
   }
 }
 
+// Calls with segment ids and a bias or an attention mask (DenseUnsupportedReason); instantiated
+// per head dim in cuda_hopper_forward_segments_dense_hdim*.cu.
+template <int kHeadDim>
+Status LaunchSegmentsDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if constexpr (kHeadDim <= 128) {
+    if (args.p.bias.present()) {
+      return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds | Elementwise::kBias>(args, cfg, stream);
+    }
+    return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds | Elementwise::kMask>(args, cfg, stream);
+  } else {
+    return Status::Internal("hopper flash attention: no bias or mask kernel at head_dim " + std::to_string(kHeadDim));
+  }
+}
+
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   if (args.p.q_segment_ids.present()) {
     if constexpr (kSegmentIdsBuilt) {
+      if (args.p.bias.present() || args.p.mask.present()) return LaunchSegmentsDense<kHeadDim>(args, cfg, stream);
       return LaunchSegments<kHeadDim>(args, cfg, stream);
     } else {
       return FeatureNotBuilt("segment_ids");

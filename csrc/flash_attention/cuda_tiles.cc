@@ -64,7 +64,6 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
 std::string DenseUnsupportedReason(const ForwardCall& c) {
   if (!c.bias && !c.mask) return "";
   if (c.bias && c.mask) return "bias with an attention mask is not supported";
-  if (c.segment_ids) return "bias or mask with segment ids is not supported";
   // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
   if (c.varlen) return "bias or mask with packed sequences is not supported";
   if (c.head_dim > 128) return "bias or mask above head_dim 128 is not supported";

@@ -121,10 +121,10 @@ struct ForwardCall {
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
 
 // Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
-// the call has neither). It takes one of them (not both, nor with segment ids or packed
-// sequences) at head dims up to 128 (shared memory), a bias of the query's dtype, and rows of a
-// multiple of 16 bytes (a tensor map's strides): seqlen_k a multiple of 8 for a bias, of 16 for
-// a mask.
+// the call has neither). It takes one of them (not both, nor with packed sequences), with or
+// without segment ids, at head dims up to 128 (shared memory), a bias of the query's dtype,
+// and rows of a multiple of 16 bytes (a tensor map's strides): seqlen_k a multiple of 8 for a
+// bias, of 16 for a mask.
 std::string DenseUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff

@@ -165,6 +165,10 @@ TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTileUpToHeadDim128) {
     capped.soft_cap = true;
     EXPECT_EQ(hopper::DenseUnsupportedReason(capped), "");
     EXPECT_EQ(ForwardTiles(capped), (Tiles{hopper::kTileDense})) << head_dim;
+    ForwardCall segments = WithMask(Call(head_dim, 300, 272));
+    segments.segment_ids = true;
+    EXPECT_EQ(hopper::DenseUnsupportedReason(segments), "");
+    EXPECT_EQ(ForwardTiles(segments), (Tiles{hopper::kTileDense})) << head_dim;
   }
   EXPECT_EQ(hopper::DenseUnsupportedReason(Call(256, 300, 300)), "");  // neither
 }
@@ -176,9 +180,6 @@ TEST(HopperForwardTiles, BiasOrMaskTheDenseTileCannotTakeSaysWhy) {
   ForwardCall f32_bias = WithBias(Call(64, 256, 256));
   f32_bias.bias_dtype_matches = false;
   EXPECT_NE(reason(f32_bias).find("dtype"), std::string::npos);
-  ForwardCall segments = WithMask(Call(64, 256, 256));
-  segments.segment_ids = true;
-  EXPECT_NE(reason(segments).find("segment ids"), std::string::npos);
   ForwardCall packed = WithBias(Call(64, 256, 256));
   packed.varlen = true;
   EXPECT_NE(reason(packed).find("packed sequences"), std::string::npos);

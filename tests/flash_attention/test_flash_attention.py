@@ -251,6 +251,18 @@ CASES = [
          q_heads=2, kv_heads=1, causal=True, soft_cap=5.0, segments=True),
     Case("tiles_segments_bf16_d128_gqa_sq>sk", dtype="bfloat16", batch=2, seq_q=710, seq_k=650, q_heads=6,
          kv_heads=2, head_dim=128, segments=True),
+    # With a bias (and its gradient) or a mask too; at d64 with a bias the backward reads the
+    # query ids from global memory.
+    Case("tiles_segments_bias_bf16_d64_gqa", dtype="bfloat16", batch=2, seq_q=400, seq_k=400, q_heads=4,
+         kv_heads=2, segments=True, bias="1H"),
+    Case("tiles_segments_bias_deterministic_f16_d64", dtype="float16", batch=1, seq_q=333, seq_k=264, q_heads=2,
+         kv_heads=1, segments=True, bias="BH", deterministic=True),
+    Case("tiles_segments_mask_causal_f16_d64", dtype="float16", batch=1, seq_q=400, seq_k=400, q_heads=2,
+         kv_heads=1, causal=True, segments=True, mask="1H"),
+    Case("tiles_segments_bias_causal_f16_d128_soft_cap", dtype="float16", batch=2, seq_q=300, seq_k=304, q_heads=2,
+         kv_heads=1, head_dim=128, causal=True, soft_cap=6.0, segments=True, bias="BH"),
+    Case("tiles_segments_mask_shuffled_bf16_d96_sq>sk", dtype="bfloat16", batch=2, seq_q=270, seq_k=192, q_heads=2,
+         kv_heads=2, head_dim=96, segments="shuffled", mask="B1"),
     # The Hopper kernels at d=96, whose second 64-column block is half filled (zeros past the
     # head dim, never stored). Forward: 176-key tiles with O through each warp's shared tile,
     # 128-key tiles with O through the Q slot, a band's narrow edges, causal pairs, packed

@@ -641,10 +641,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) dk[i] = dv[i] = 0.0f;
 
-  // P^T and dS^T from the recomputed S^T and dP^T (masks are applied by the caller).
-  // P and dS (of q.k) from a score and dP; dlogit gets the gradient of the logit, which is
-  // also the bias's. Under a soft cap a bias comes after it (semantics.h), in the capped
-  // score's units (bias_after_cap, dense kernels only).
+  // P^T and dS^T (of q.k) from the recomputed S^T and dP^T (masks are applied by the caller);
+  // dlogit gets the logit's gradient, which is also the bias's. Under a soft cap a bias comes
+  // after it (semantics.h), in the capped score's units (bias_after_cap, dense kernels only).
   constexpr bool kBiasAfterCap = kSoftcap && L::Dense::kBias;
   const auto prob_and_grad = [&](float& sc, float& dp, float l, float d, float bias_after_cap, float& dlogit) {
     float pv, ds;

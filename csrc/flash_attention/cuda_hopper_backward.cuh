@@ -545,12 +545,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           TmaLoad4d(q_smem(s) + cb * L::kQBlockBytes, &p.tma_q, q_full(s), cb * 64, head, m0, batch);
         }
         if constexpr (L::kDense) {  // never with packed sequences: k_begin is 0
-#pragma unroll
-          for (int b = 0; b < kBlockN / L::Dense::kBlockKeys; ++b) {
-            TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::Dense::kBlockBytes, &p.dense.map,
-                      q_full(s), n0 + b * L::Dense::kBlockKeys, m0, p.dense.per_head ? head : 0,
-                      p.dense.per_batch ? batch : 0);
-          }
+          LoadDenseTile<typename L::Dense>(smem + L::kDenseOffset + s * L::kDenseTileBytes, p.dense, q_full(s), n0, m0,
+                                           head, batch);
         }
         BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
         if constexpr (L::kQIdBytes > 0) {

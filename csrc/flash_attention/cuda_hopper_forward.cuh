@@ -104,7 +104,8 @@ struct DenseTile {
   static constexpr bool kPresent = HasDense(kFeature);
   static constexpr int kBlockKeys = kBias ? 64 : 128;
   static constexpr int kBlockBytes = kRows * 128;
-  static constexpr int kBytes = kPresent ? kKeys / kBlockKeys * kBlockBytes : 0;
+  static constexpr int kBlocks = kPresent ? kKeys / kBlockKeys : 0;
+  static constexpr int kBytes = kBlocks * kBlockBytes;
   static_assert(!kPresent || kKeys % kBlockKeys == 0, "a dense tile is whole 128-byte rows");
 };
 
@@ -279,6 +280,19 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, 
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+}
+
+// The Dense tile of a bias or mask whose first key and row are `key` and `row`, of (head,
+// batch) where those dimensions do not broadcast, into shared memory at dst, completing on
+// bar. Rows and keys past the tensor are zero-filled (masked or never stored).
+template <class Dense>
+__device__ __forceinline__ void LoadDenseTile(uint32_t dst, const DenseOperand& dense, uint32_t bar, int key, int row,
+                                              int head, int batch) {
+#pragma unroll
+  for (int b = 0; b < Dense::kBlocks; ++b) {
+    TmaLoad4d(dst + b * Dense::kBlockBytes, &dense.map, bar, key + b * Dense::kBlockKeys, row,
+              dense.per_head ? head : 0, dense.per_batch ? batch : 0);
+  }
 }
 
 // Shared -> global bulk tensor copy (rows outside the tensor are dropped), in this thread's
@@ -856,13 +870,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           }
           MbarExpectTx(v_full(s), L::kKvTileBytes + L::kDenseTileBytes);
           if constexpr (kDense) {
-            // Rows and keys past the tensor are zero-filled (masked or never stored).
-#pragma unroll
-            for (int b = 0; b < kBlockN / L::Dense::kBlockKeys; ++b) {
-              TmaLoad4d(smem + L::kDenseOffset + s * L::kDenseTileBytes + b * L::Dense::kBlockBytes, &p.dense.map,
-                        v_full(s), t.k_begin + n * kBlockN + b * L::Dense::kBlockKeys, t.q_begin + t.m0,
-                        p.dense.per_head ? head : 0, p.dense.per_batch ? batch : 0);
-            }
+            LoadDenseTile<typename L::Dense>(smem + L::kDenseOffset + s * L::kDenseTileBytes, p.dense, v_full(s),
+                                             t.k_begin + n * kBlockN, t.q_begin + t.m0, head, batch);
           }
 #pragma unroll
           for (int b = 0; b < kColBlocks; ++b) {

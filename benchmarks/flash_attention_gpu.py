@@ -4,10 +4,10 @@ one process, forward and forward+backward.
 The grid follows FlashAttention-3's: B * S = 16384 tokens, H * D = 2048, head dims 64/128/256,
 S from 512 to 16384, causal and not; plus GQA 32/8, a sliding window of 1024 against full
 causal attention at S = 16384, packed variable-length sequences, segment ids, head dims 96
-and 192, and a dense bias (with its gradient or not) or boolean mask. TFLOP/s count only the visible (unmasked) score
-entries (a dense mask's pairs all count): 4 * B * H * D * visible pairs forward, 2.5x that
-backward. Each implementation is timed in 3 rounds of alternating order and
-its best round is kept.
+and 192, and a dense bias (with its gradient or not), boolean mask, or both. TFLOP/s count
+only the visible (unmasked) score entries (a dense mask's pairs all count): 4 * B * H * D *
+visible pairs forward, 2.5x that backward. Each implementation is timed in 3 rounds of
+alternating order and its best round is kept.
 
     python benchmarks/flash_attention_gpu.py [--quick] [--out benchmarks/results]
     # in parts (e.g. to fit a time limit), then one JSON and plot from the parts:
@@ -51,7 +51,9 @@ class Case:
     varlen: bool = False  # pack `batch` sequences of random lengths into one row
     segments: int = 0  # segment ids: this many documents of random lengths in each row
     deterministic: bool = False  # the backward's bit-reproducible mode
-    dense: str = ""  # "bias": an additive [1, H, S, S] bias; "mask": a boolean [B, 1, S, S] mask
+    # "bias": an additive [1, H, S, S] bias; "mask": a boolean [B, 1, S, S] mask; "bias_mask":
+    # the bias and a [1, 1, S, S] mask
+    dense: str = ""
     dense_grad: bool = False  # forward+backward also differentiates the bias
 
     @property
@@ -106,6 +108,9 @@ def extra_cases() -> list[Case]:
         # A learned relative-position bias at d=64, as in T5.
         Case("bias_d64", 4, 4096, 32, 64, dense="bias"),
         Case("dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True),
+        # A bias with a mask shared by every batch row and head.
+        Case("bias_mask", 4, 4096, 16, 128, dense="bias_mask"),
+        Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),
     ]
 
 
@@ -138,7 +143,16 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
         return (jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16),)
     if case.dense == "mask":
         return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
+    if case.dense == "bias_mask":
+        bias = jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16)
+        return bias, jnp.asarray(rng.random((1, 1, case.seqlen, case.seqlen)) > 0.1)
     return ()
+
+
+def _dense_kwargs(case: Case, dense: tuple, bias: str, mask: str) -> dict[str, Any]:
+    """The dense inputs as keyword arguments named `bias` and `mask`."""
+    names = {"bias": (bias,), "mask": (mask,), "bias_mask": (bias, mask)}.get(case.dense, ())
+    return dict(zip(names, dense))
 
 
 def _segment_ids(case: Case, lengths) -> jax.Array:
@@ -156,8 +170,8 @@ def _ours(case: Case, lengths) -> Callable:
     elif lengths is not None:
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
         kw.update(cum_seqlens_q=cu, cum_seqlens_k=cu)
-    name = {"bias": "bias", "mask": "attention_mask"}.get(case.dense)
-    return lambda q, k, v, *dense: flash_attention(q, k, v, **kw, **({name: dense[0]} if name else {}))
+    return lambda q, k, v, *dense: flash_attention(
+        q, k, v, **kw, **_dense_kwargs(case, dense, "bias", "attention_mask"))
 
 
 # XLA materialises the S x S scores: past this length it only shows how far behind it is.
@@ -178,8 +192,8 @@ def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
     if lengths is not None:
         # Padded layout [num_seqs, max_len] with per-sequence lengths: what cuDNN offers for varlen.
         return None
-    name = case.dense or None
-    return lambda q, k, v, *dense: jax.nn.dot_product_attention(q, k, v, **kw, **({name: dense[0]} if name else {}))
+    return lambda q, k, v, *dense: jax.nn.dot_product_attention(
+        q, k, v, **kw, **_dense_kwargs(case, dense, "bias", "mask"))
 
 
 def _pallas_mgpu(case: Case, lengths) -> Callable | None:

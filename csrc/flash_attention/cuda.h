@@ -28,7 +28,8 @@ struct CudaForwardArgs {
   Dims dims;
   const uint32_t* dropout_seed = nullptr;
   // ForwardHopperScratchBytes of device memory, or null: with segment ids, the Hopper kernels
-  // then skip the key tiles outside each query tile's segments (a C++ caller may pass null).
+  // then skip the key tiles outside each query tile's segments (a C++ caller may pass null);
+  // a bias with a mask needs it (the folded bias).
   void* scratch = nullptr;
 };
 
@@ -61,13 +62,15 @@ Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dro
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
 // `cfg` picks one of hopper::ForwardTiles for the call (any other config runs the default).
 Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
-// Scratch that lets ForwardHopper skip tiles (segment ids only; 0 otherwise); shapes only.
-size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids);
+// ForwardHopper's scratch, from shapes and features only: segment ranges that let it skip
+// tiles, then a bias and a mask folded into one bias (hopper::FoldBiasAndMask).
+size_t ForwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& call);
 
 // Hopper backward (wgmma), sm_90a only; a subset of the features (HopperBackwardSupports
-// says which); the rest run on BackwardMma. Scratch sized from shapes only.
+// says which); the rest run on BackwardMma. Scratch sized from shapes and features only (the
+// folded bias last, as in the forward).
 Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
-size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids, bool deterministic);
+size_t BackwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& call, bool deterministic);
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream);
 
 }  // namespace ejk::flash_attention

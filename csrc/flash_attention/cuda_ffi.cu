@@ -99,11 +99,18 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
 
 // Device workspace of a call: the handler's last result, sized from shapes and flags alone
 // (the Python front end asks the registry entry's workspace_bytes), so that XLA owns it and
-// the launch can be captured into a command buffer. The backward takes the larger of its two
-// kernels' needs: which one runs is decided per device and call. The forward's is the Hopper
-// kernel's segment scratch (ForwardHopperScratchBytes).
-size_t BackwardWorkspaceBytes(const Dims& dims, bool segment_ids, bool deterministic) {
-  return std::max(BackwardHopperScratchBytes(dims, segment_ids, deterministic), BackwardMmaScratchBytes(dims, deterministic));
+// the launch can be captured into a command buffer. Where the Hopper kernels take the call on
+// this device, their scratch (segment ranges, a bias and mask folded into one bias); the
+// backward takes the larger of its two kernels' needs, which one runs being decided per call.
+size_t ForwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool dropout) {
+  return HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok() ? ForwardHopperScratchBytes(dims, call) : 0;
+}
+size_t BackwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool dropout,
+                              bool deterministic) {
+  const size_t hopper = HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok()
+                            ? BackwardHopperScratchBytes(dims, call, deterministic)
+                            : 0;
+  return std::max(hopper, BackwardMmaScratchBytes(dims, deterministic));
 }
 
 // The workspace result, or an error naming both sizes when it is smaller than the call needs.
@@ -137,9 +144,12 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateForward(args.p));
   EJK_FFI_ASSIGN_OR_RETURN(CudaConfig cfg, ConfigFromAttrs(block_q, block_k, num_warps, num_stages));
   if (Status s = CheckSupported(args.p, args.dims); !s.ok()) return ToFfiError(s);
-  EJK_FFI_ASSIGN_OR_RETURN(
-      args.scratch,
-      WorkspaceOf(*workspace, ForwardHopperScratchBytes(args.dims, args.p.q_segment_ids.present()), "forward"));
+  EJK_FFI_ASSIGN_OR_RETURN(args.scratch,
+                           WorkspaceOf(*workspace,
+                                       ForwardWorkspaceBytes(args.p.q.dtype, args.dims,
+                                                             hopper::ForwardCallOf(args.p, args.dims),
+                                                             dropout_prob > 0.0f),
+                                       "forward"));
   if (HopperSupports(args.p, args.dims, CurrentCudaDevice()).ok()) return ToFfiError(ForwardHopper(args, cfg, stream));
   return ToFfiError(ForwardMma(args, cfg, stream));
 }
@@ -180,7 +190,9 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (Status s = CheckSupported(p.fwd, args.dims); !s.ok()) return ToFfiError(s);
   EJK_FFI_ASSIGN_OR_RETURN(
       void* scratch,
-      WorkspaceOf(*workspace, BackwardWorkspaceBytes(args.dims, p.fwd.q_segment_ids.present(), p.deterministic),
+      WorkspaceOf(*workspace,
+                  BackwardWorkspaceBytes(p.fwd.q.dtype, args.dims, hopper::ForwardCallOf(p.fwd, args.dims),
+                                         dropout_prob > 0.0f, p.deterministic),
                   "backward"));
   if (HopperBackwardSupports(p, args.dims, CurrentCudaDevice()).ok()) {
     return ToFfiError(BackwardHopper(args, scratch, stream));
@@ -188,8 +200,50 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(BackwardMma(args, cfg, scratch, stream));
 }
 
-// Workspace bytes for pass "forward" or "backward" of a call with this signature (the
-// shapes of query and key, plus "segment_ids" and "deterministic").
+bool HasFeature(const nlohmann::json& signature, const char* feature) {
+  const auto it = signature.find("features");
+  return it != signature.end() && it->is_array() && std::find(it->begin(), it->end(), feature) != it->end();
+}
+
+// The batch and head dims of the signature's "bias_shape" or "mask_shape" ([B|1, H|1, Sq, Sk]),
+// 1 and 1 where it has none.
+void BroadcastDims(const nlohmann::json& signature, const char* key, int64_t* batch, int64_t* heads) {
+  *batch = *heads = 1;
+  const auto it = signature.find(key);
+  if (it == signature.end() || !it->is_array() || it->size() != 4) return;
+  if ((*it)[0].is_number_integer()) *batch = (*it)[0].get<int64_t>();
+  if ((*it)[1].is_number_integer()) *heads = (*it)[1].get<int64_t>();
+}
+
+// A call as the Hopper kernels' dispatch sees it, from a registry signature: the shapes, the
+// AttentionArgs.features() names, the window's sides, the bias dtype and the bias's and mask's
+// shapes.
+hopper::ForwardCall ForwardCallOfSignature(const nlohmann::json& signature) {
+  hopper::ForwardCall call;
+  const std::string dtype_name = signature.value("dtype", std::string());
+  call.head_dim = signature.value("head_dim", int64_t{0});
+  call.seqlen_q = signature.value("seqlen_q", int64_t{0});
+  call.seqlen_k = signature.value("seqlen_k", int64_t{0});
+  call.varlen = HasFeature(signature, "cum_seqlens");
+  call.causal = HasFeature(signature, "causal");
+  call.window_left = signature.value("window_left", int64_t{-1});
+  call.window_right = signature.value("window_right", int64_t{-1});
+  call.soft_cap = HasFeature(signature, "logits_soft_cap");
+  call.segment_ids = HasFeature(signature, "segment_ids");
+  call.bias = HasFeature(signature, "bias");
+  call.mask = HasFeature(signature, "attention_mask");
+  call.bias_dtype_matches = signature.value("bias_dtype", dtype_name) == dtype_name;
+  if (call.bias && call.mask) {
+    int64_t bias_batch, bias_heads, mask_batch, mask_heads;
+    BroadcastDims(signature, "bias_shape", &bias_batch, &bias_heads);
+    BroadcastDims(signature, "mask_shape", &mask_batch, &mask_heads);
+    hopper::FoldBiasAndMask(bias_batch, bias_heads, mask_batch, mask_heads, &call.folded_batch, &call.folded_heads);
+  }
+  return call;
+}
+
+// Workspace bytes for pass "forward" or "backward" of a call with this signature
+// (AttentionArgs.signature(), plus "deterministic").
 StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std::string& pass) {
   Dims dims{};
   EJK_RETURN_IF_ERROR(ReadSignatureCounts(signature, "flash attention workspace",
@@ -199,10 +253,14 @@ StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std:
                                            {"num_q_heads", &dims.num_q_heads},
                                            {"num_kv_heads", &dims.num_kv_heads},
                                            {"head_dim", &dims.head_dim}}));
-  const bool segment_ids = signature.value("segment_ids", false);
-  if (pass == "forward") return static_cast<int64_t>(ForwardHopperScratchBytes(dims, segment_ids));
+  DType dtype;
+  if (!DTypeFromName(signature.value("dtype", std::string()), &dtype)) return int64_t{0};  // no CUDA kernel takes it
+  const hopper::ForwardCall call = ForwardCallOfSignature(signature);
+  const bool dropout = HasFeature(signature, "dropout");
+  if (pass == "forward") return static_cast<int64_t>(ForwardWorkspaceBytes(dtype, dims, call, dropout));
   if (pass == "backward") {
-    return static_cast<int64_t>(BackwardWorkspaceBytes(dims, segment_ids, signature.value("deterministic", false)));
+    return static_cast<int64_t>(
+        BackwardWorkspaceBytes(dtype, dims, call, dropout, signature.value("deterministic", false)));
   }
   return Status::InvalidArgument("flash attention workspace: pass must be 'forward' or 'backward', got '" + pass + "'");
 }
@@ -242,33 +300,15 @@ std::string CudaUnsupportedReason(const nlohmann::json& signature) {
                                        "the flash attention backward at head_dim " + std::to_string(head_dim));
 }
 
-bool HasFeature(const nlohmann::json& signature, const char* feature) {
-  const auto it = signature.find("features");
-  return it != signature.end() && it->is_array() && std::find(it->begin(), it->end(), feature) != it->end();
-}
-
 // The tiles of the kernel that runs calls like this one on the current device, the default
 // first: the Hopper forward's where it takes them, else the mma.sync kernels'; none for calls
-// no CUDA kernel takes. The signature holds the shapes, the dtype, the
-// AttentionArgs.features() names and the window's sides.
+// no CUDA kernel takes. The signature is ForwardCallOfSignature's.
 std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
   const int64_t head_dim = signature.value("head_dim", int64_t{0});
   const std::string dtype_name = signature.value("dtype", std::string());
   DType dtype;
   if (!UnsupportedReason(dtype_name, head_dim).empty() || !DTypeFromName(dtype_name, &dtype)) return {};
-  hopper::ForwardCall call;
-  call.head_dim = head_dim;
-  call.seqlen_q = signature.value("seqlen_q", int64_t{0});
-  call.seqlen_k = signature.value("seqlen_k", int64_t{0});
-  call.varlen = HasFeature(signature, "cum_seqlens");
-  call.causal = HasFeature(signature, "causal");
-  call.window_left = signature.value("window_left", int64_t{-1});
-  call.window_right = signature.value("window_right", int64_t{-1});
-  call.soft_cap = HasFeature(signature, "logits_soft_cap");
-  call.segment_ids = HasFeature(signature, "segment_ids");
-  call.bias = HasFeature(signature, "bias");
-  call.mask = HasFeature(signature, "attention_mask");
-  call.bias_dtype_matches = signature.value("bias_dtype", dtype_name) == dtype_name;
+  const hopper::ForwardCall call = ForwardCallOfSignature(signature);
   if (HopperSupportsKind(dtype, call, HasFeature(signature, "dropout"), CurrentCudaDevice()).ok()) {
     std::vector<CudaConfig> tiles;
     for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());

@@ -355,18 +355,46 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   return Status::Ok();
 }
 
-size_t BackwardHopperScratchBytes(const Dims& dims, bool segment_ids, bool deterministic) {
-  if (!hopper_backward::HeadDimBuilt(dims.head_dim)) return 0;
-  const hopper_backward::ScratchLayout s = hopper_backward::ScratchFor(dims, segment_ids, deterministic);
-  return 2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes;
+namespace hopper_backward {
+namespace {
+
+// Bytes of the kernels' own scratch at the start of BackwardHopper's (the folded bias follows).
+size_t KernelScratchBytes(const Dims& dims, bool segment_ids, bool deterministic) {
+  if (!HeadDimBuilt(dims.head_dim)) return 0;
+  const ScratchLayout s = ScratchFor(dims, segment_ids, deterministic);
+  return AlignScratch(2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes);
+}
+
+Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream);
+
+}  // namespace
+}  // namespace hopper_backward
+
+size_t BackwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& call, bool deterministic) {
+  return hopper_backward::KernelScratchBytes(dims, call.segment_ids, deterministic) + hopper::FoldedBiasBytes(call);
 }
 
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
-  using namespace hopper_backward;
+  const ForwardParams& f = args.p.fwd;
+  EJK_RETURN_IF_ERROR(HopperBackwardSupports(args.p, args.dims, CurrentCudaDevice()));
+  if (!f.bias.present() || !f.mask.present()) return hopper_backward::Run(args, scratch, stream);
+  // The forward's folded bias, again: the kernels read it, and dbias keeps the bias's shape
+  // (zero where the mask hides a key: P is 0 there).
+  CudaBackwardArgs folded = args;
+  char* at = static_cast<char*>(scratch) +
+             hopper_backward::KernelScratchBytes(args.dims, f.q_segment_ids.present(), args.p.deterministic);
+  EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(f, hopper::ForwardCallOf(f, args.dims), at, stream, &folded.p.fwd.bias));
+  folded.p.fwd.mask = TensorView{};
+  return hopper_backward::Run(folded, scratch, stream);
+}
+
+namespace hopper_backward {
+namespace {
+
+Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
-  EJK_RETURN_IF_ERROR(HopperBackwardSupports(p, d, CurrentCudaDevice()));
   const ScratchLayout sl = ScratchFor(d, HasSegments(p), p.deterministic);
   const int block_m = BlockMFor(d.head_dim);
   const bool f16 = f.q.dtype == DType::kF16;
@@ -496,4 +524,6 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   return Status::Ok();
 }
 
+}  // namespace
+}  // namespace hopper_backward
 }  // namespace ejk::flash_attention

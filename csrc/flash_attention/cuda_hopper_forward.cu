@@ -279,6 +279,77 @@ Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_
   return Status::Ok();
 }
 
+namespace {
+
+constexpr int kFoldThreads = 256;
+// Chunks of 8 elements each thread folds, at most (fewer blocks to schedule).
+constexpr int kFoldChunksPerThread = 4;
+
+// One 16-byte chunk (8 elements) per step: out = mask ? bias : -inf, element-wise on the
+// 16-bit patterns. Planes (Sq x Sk, a multiple of 8 elements) go by (blockIdx.z, blockIdx.y) =
+// (batch, head); a stride of 0 broadcasts the operand over that dimension.
+__global__ void __launch_bounds__(kFoldThreads) FoldBiasAndMaskKernel(
+    const uint4* bias, const uint2* mask, uint4* out, int64_t plane_chunks, int64_t bias_batch_stride,
+    int64_t bias_head_stride, int64_t mask_batch_stride, int64_t mask_head_stride, int32_t batch, int32_t heads,
+    uint32_t neg_inf) {
+  for (int32_t b = blockIdx.z; b < batch; b += gridDim.z) {
+    for (int32_t h = blockIdx.y; h < heads; h += gridDim.y) {
+      const uint4* bias_plane = bias + b * bias_batch_stride + h * bias_head_stride;
+      const uint2* mask_plane = mask + b * mask_batch_stride + h * mask_head_stride;
+      uint4* out_plane = out + (static_cast<int64_t>(b) * heads + h) * plane_chunks;
+      for (int64_t c = static_cast<int64_t>(blockIdx.x) * kFoldThreads + threadIdx.x; c < plane_chunks;
+           c += static_cast<int64_t>(gridDim.x) * kFoldThreads) {
+        uint4 v = bias_plane[c];
+        const uint2 m = mask_plane[c];
+        uint32_t* words = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const uint32_t keep = ((e < 4 ? m.x : m.y) >> (8 * (e % 4))) & 0xffu;
+          const int shift = 16 * (e % 2);
+          if (keep == 0) words[e / 2] = (words[e / 2] & ~(0xffffu << shift)) | (neg_inf << shift);
+        }
+        out_plane[c] = v;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* out, cudaStream_t stream,
+                       TensorView* folded) {
+  const TensorView& bias = p.bias;
+  const TensorView& mask = p.mask;
+  if (call.folded_batch == 0 || bias.dtype != p.q.dtype || call.seqlen_k % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    return Status::InvalidArgument("hopper flash attention: this bias and mask do not fold (DenseUnsupportedReason)");
+  }
+  const int64_t plane_chunks = call.seqlen_q * call.seqlen_k / 8;
+  const auto strides = [&](const TensorView& t, int64_t* batch_stride, int64_t* head_stride) {
+    *head_stride = t.dim(1) > 1 ? plane_chunks : 0;
+    *batch_stride = t.dim(0) > 1 ? t.dim(1) * plane_chunks : 0;
+  };
+  int64_t bias_b, bias_h, mask_b, mask_h;
+  strides(bias, &bias_b, &bias_h);
+  strides(mask, &mask_b, &mask_h);
+  const int64_t x_blocks = std::min<int64_t>(
+      (plane_chunks + kFoldThreads * kFoldChunksPerThread - 1) / (kFoldThreads * kFoldChunksPerThread), INT32_MAX);
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(x_blocks, 1)),
+                  static_cast<unsigned>(std::min<int64_t>(call.folded_heads, 65535)),
+                  static_cast<unsigned>(std::min<int64_t>(call.folded_batch, 65535)));
+  const uint32_t neg_inf = bias.dtype == DType::kF16 ? 0xfc00u : 0xff80u;  // -inf in f16 / bf16
+  FoldBiasAndMaskKernel<<<grid, kFoldThreads, 0, stream>>>(
+      static_cast<const uint4*>(bias.data), static_cast<const uint2*>(mask.data), static_cast<uint4*>(out),
+      plane_chunks, bias_b, bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch),
+      static_cast<int32_t>(call.folded_heads), neg_inf);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return Status::Internal(std::string("hopper flash attention: bias and mask fold launch failed: ") +
+                            cudaGetErrorString(err));
+  }
+  *folded = TensorView::Contiguous(out, bias.dtype, {call.folded_batch, call.folded_heads, call.seqlen_q, call.seqlen_k});
+  return Status::Ok();
+}
+
 StatusOr<int> CurrentDeviceSms() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -323,13 +394,14 @@ Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDevice
   return Status::Ok();
 }
 
-size_t ForwardHopperScratchBytes(const Dims& dims, bool segment_ids) {
+namespace {
+
+// Bytes of the segment ranges at the start of ForwardHopper's scratch (the folded bias follows).
+size_t SegmentPartBytes(const Dims& dims, bool segment_ids) {
   return segment_ids && hopper::HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
 }
 
-Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  EJK_RETURN_IF_ERROR(HopperSupports(args.p, args.dims, CurrentCudaDevice()));
-  if (args.dims.batch == 0 || args.dims.seqlen_q == 0 || args.dims.num_q_heads == 0) return Status::Ok();
+Status LaunchHeadDim(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   switch (args.dims.head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return hopper::Launch<64>(args, cfg, stream);
@@ -348,6 +420,28 @@ Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
 #endif
     default: return Status::Unimplemented("hopper flash attention: head_dim " + std::to_string(args.dims.head_dim));
   }
+}
+
+}  // namespace
+
+size_t ForwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& call) {
+  return SegmentPartBytes(dims, call.segment_ids) + hopper::FoldedBiasBytes(call);
+}
+
+Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  EJK_RETURN_IF_ERROR(HopperSupports(args.p, args.dims, CurrentCudaDevice()));
+  if (args.dims.batch == 0 || args.dims.seqlen_q == 0 || args.dims.num_q_heads == 0) return Status::Ok();
+  if (!args.p.bias.present() || !args.p.mask.present()) return LaunchHeadDim(args, cfg, stream);
+  if (args.scratch == nullptr) {
+    return Status::InvalidArgument("hopper flash attention: a bias with an attention mask needs the scratch "
+                                   "(ForwardHopperScratchBytes)");
+  }
+  CudaForwardArgs folded = args;
+  char* at = static_cast<char*>(args.scratch) + SegmentPartBytes(args.dims, args.p.q_segment_ids.present());
+  EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(args.p, hopper::ForwardCallOf(args.p, args.dims), at, stream,
+                                              &folded.p.bias));
+  folded.p.mask = TensorView{};
+  return LaunchHeadDim(folded, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention

@@ -1380,6 +1380,11 @@ Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_
                             cudaStream_t stream);
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
+// Writes the call's bias and mask folded into one bias (FoldBiasAndMask: call.folded_batch x
+// call.folded_heads planes) to `out` (FoldedBiasBytes, 16-byte aligned) on the stream and
+// returns its view in *folded: mask ? bias : -inf, which the kernels read exactly as the mask.
+Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* out, cudaStream_t stream,
+                       TensorView* folded);
 
 template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -116,15 +117,27 @@ struct ForwardCall {
   bool segment_ids = false;
   bool bias = false, mask = false;  // a dense bias / attention mask ([B|1, H|1, Sq, Sk])
   bool bias_dtype_matches = true;   // the bias has the query's dtype
+  // A bias and a mask: the batch and head dims of the bias they fold into (FoldBiasAndMask),
+  // 0 where they do not fold.
+  int64_t folded_batch = 0, folded_heads = 0;
 };
 
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
 
+// The Hopper kernels read one dense operand, so a bias and an attention mask go to them folded
+// into one bias, mask ? bias : -inf (which the kernels treat exactly like the mask). They fold
+// where one's batch and head dims cover the other's, so that the folded bias is no larger than
+// the larger of the two: then the folded dims are stored and true is returned.
+bool FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
+                     int64_t* folded_batch, int64_t* folded_heads);
+// Bytes of a call's folded bias (16-bit elements), 0 for calls without one.
+size_t FoldedBiasBytes(const ForwardCall& c);
+
 // Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
-// the call has neither). It takes one of them (not both, nor with packed sequences), with or
-// without segment ids, at head dims up to 128 (shared memory), a bias of the query's dtype,
-// and rows of a multiple of 16 bytes (a tensor map's strides): seqlen_k a multiple of 8 for a
-// bias, of 16 for a mask.
+// the call has neither). It takes one of them, or both where they fold into one bias
+// (FoldBiasAndMask), not with packed sequences, with or without segment ids, at head dims up
+// to 128 (shared memory), a bias of the query's dtype, and rows of a multiple of 16 bytes (a
+// tensor map's strides): seqlen_k a multiple of 8 for a bias, of 16 for a mask alone.
 std::string DenseUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff

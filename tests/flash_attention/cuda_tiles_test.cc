@@ -173,9 +173,39 @@ TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTileUpToHeadDim128) {
   EXPECT_EQ(hopper::DenseUnsupportedReason(Call(256, 300, 300)), "");  // neither
 }
 
+// A bias and a mask fold into one bias where one's batch and head dims cover the other's.
+TEST(HopperForwardTiles, BiasAndMaskFoldWhereOneCoversTheOther) {
+  int64_t batch = 0, heads = 0;
+  EXPECT_TRUE(hopper::FoldBiasAndMask(4, 8, 1, 8, &batch, &heads));  // the bias covers the mask
+  EXPECT_EQ(batch, 4);
+  EXPECT_EQ(heads, 8);
+  EXPECT_TRUE(hopper::FoldBiasAndMask(1, 8, 4, 8, &batch, &heads));  // the mask covers the bias
+  EXPECT_EQ(batch, 4);
+  EXPECT_EQ(heads, 8);
+  EXPECT_TRUE(hopper::FoldBiasAndMask(1, 1, 1, 1, &batch, &heads));
+  EXPECT_EQ(batch * heads, 1);
+  // [1, H] with [B, 1] would fold into [B, H], larger than both.
+  batch = heads = 7;
+  EXPECT_FALSE(hopper::FoldBiasAndMask(1, 8, 4, 1, &batch, &heads));
+  EXPECT_EQ(batch, 7);
+  EXPECT_FALSE(hopper::FoldBiasAndMask(4, 1, 1, 8, &batch, &heads));
+
+  for (int64_t head_dim : {64, 96, 128}) {
+    ForwardCall both = WithMask(WithBias(Call(head_dim, 300, 264)));  // seqlen_k: a bias's rule only
+    both.folded_batch = 2;
+    both.folded_heads = 3;
+    EXPECT_EQ(hopper::DenseUnsupportedReason(both), "") << head_dim;
+    EXPECT_EQ(ForwardTiles(both), (Tiles{hopper::kTileDense})) << head_dim;
+    EXPECT_EQ(hopper::FoldedBiasBytes(both), size_t{2 * 3 * 300 * 264 * 2});
+  }
+  ForwardCall unfolded = WithMask(WithBias(Call(128, 256, 256)));
+  EXPECT_EQ(hopper::FoldedBiasBytes(unfolded), 0u);
+  EXPECT_EQ(hopper::FoldedBiasBytes(WithBias(Call(128, 256, 256))), 0u);
+}
+
 TEST(HopperForwardTiles, BiasOrMaskTheDenseTileCannotTakeSaysWhy) {
   const auto reason = [](ForwardCall c) { return hopper::DenseUnsupportedReason(c); };
-  EXPECT_NE(reason(WithMask(WithBias(Call(128, 256, 256)))).find("bias with an attention mask"), std::string::npos);
+  EXPECT_NE(reason(WithMask(WithBias(Call(128, 256, 256)))).find("cover the other's"), std::string::npos);
   EXPECT_NE(reason(WithBias(Call(192, 256, 256))).find("head_dim 128"), std::string::npos);
   ForwardCall f32_bias = WithBias(Call(64, 256, 256));
   f32_bias.bias_dtype_matches = false;
@@ -219,6 +249,14 @@ TEST(HopperForwardCall, FromParams) {
   p.mask = TensorView::Contiguous(mask_data, DType::kBool, {1, 1, 1, 1});
   ForwardCall dense = hopper::ForwardCallOf(p, d);
   EXPECT_TRUE(dense.bias && dense.mask && dense.bias_dtype_matches);
+  EXPECT_EQ(dense.folded_batch, 1);
+  EXPECT_EQ(dense.folded_heads, 1);
+  p.bias.shape[1] = 5;  // [1, 5] with [3, 1]: no fold
+  p.mask.shape[0] = 3;
+  EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_batch, 0);
+  p.mask.shape[1] = 5;  // [3, 5] covers [1, 5]
+  EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_batch, 3);
+  EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_heads, 5);
   p.bias.dtype = DType::kF16;
   EXPECT_FALSE(hopper::ForwardCallOf(p, d).bias_dtype_matches);
 }

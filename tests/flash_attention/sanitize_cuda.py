@@ -72,9 +72,9 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
     jax.block_until_ready(flash_attention(q, k, v, causal=True, sliding_window=window, platform="cuda",
                                           return_lse=True))
     calls += 1
-# A bias or a mask alone on the Hopper kernels (keys a multiple of 16), broadcast or not,
-# causal or not, soft-capped or not, deterministic or not; gradients of q, k and v, and of the bias (the Hopper
-# backward).
+# A bias or a mask on the Hopper kernels (keys a multiple of 16), broadcast or not, causal or
+# not, soft-capped or not, deterministic or not; gradients of q, k and v, and of the bias (the
+# Hopper backward).
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(2, 1, seq_q, seq_k)
@@ -92,6 +92,16 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
         return jnp.sum(flash_attention(q, k, v, bias=bias, platform="cuda").astype(jnp.float32) ** 2)
 
     jax.block_until_ready(jax.grad(bias_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
+    calls += 1
+
+    # A bias and a mask folded into one bias (the mask within the bias's broadcast shape).
+    folding_mask = jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2)
+
+    def bias_mask_loss(q, k, v, bias):
+        out = flash_attention(q, k, v, bias=bias, attention_mask=folding_mask, causal=True, platform="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    jax.block_until_ready(jax.grad(bias_mask_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
     calls += 1
 
     # With segment ids too (at d64 with a bias the backward reads the query ids from global

@@ -50,14 +50,32 @@ def test_cpu_calls_take_no_workspace():
 
 @needs_cuda
 def test_cuda_workspace_follows_the_call():
-    plain = dict(SIGNATURE, segment_ids=False, deterministic=False)
-    # The forward needs memory only to find the key tiles that segment ids let it skip.
-    assert _native.workspace_bytes(OP, "cuda", "forward", plain) == 0
-    assert _native.workspace_bytes(OP, "cuda", "forward", {**plain, "segment_ids": True}) > 0
+    import ejkernel
+
+    hopper = ejkernel.build_info().get("hopper_kernels", False) and (
+        getattr(jax.devices()[0], "compute_capability", "") == "9.0")
+    plain = dict(SIGNATURE, dtype="bfloat16", features=[], deterministic=False)
+
+    def nbytes(pass_, **changes):
+        return _native.workspace_bytes(OP, "cuda", pass_, {**plain, **changes})
+
+    # The forward needs memory only on the Hopper kernels: to find the key tiles that segment
+    # ids let it skip, and for a bias and a mask folded into one bias.
+    assert nbytes("forward") == 0
+    assert (nbytes("forward", features=["segment_ids"]) > 0) == hopper
+    dense = dict(seqlen_k=520, features=["bias", "attention_mask"], bias_dtype="bfloat16",
+                 bias_shape=[1, 4, 300, 520])
+    folded = 2 * 4 * 300 * 520 * 2  # [B, H, Sq, Sk] in bf16
+    assert nbytes("forward", **dense, mask_shape=[2, 4, 300, 520]) == (folded if hopper else 0)
+    assert nbytes("forward", **dense, mask_shape=[2, 1, 300, 520]) == 0  # crossed: mma.sync
+    assert nbytes("forward", **dense, mask_shape=[1, 1, 300, 520]) == (folded // 2 if hopper else 0)
     # The backward's float32 dQ accumulator alone is B * Sq * Hq * D * 4 bytes.
-    backward = _native.workspace_bytes(OP, "cuda", "backward", plain)
+    backward = nbytes("backward")
     assert backward >= 2 * 300 * 4 * 128 * 4
-    assert _native.workspace_bytes(OP, "cuda", "backward", {**plain, "seqlen_q": 600}) > backward
+    assert nbytes("backward", seqlen_q=600) > backward
+    if hopper:
+        crossed = nbytes("backward", **dense, mask_shape=[2, 1, 300, 520])
+        assert nbytes("backward", **dense, mask_shape=[2, 4, 300, 520]) > crossed
     with pytest.raises(RuntimeError, match="sideways"):
         _native.workspace_bytes(OP, "cuda", "sideways", plain)
     with pytest.raises(RuntimeError, match="seqlen_q"):

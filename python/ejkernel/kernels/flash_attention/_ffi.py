@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ... import _native
-from ._validate import AttentionArgs, signature_of
+from ._validate import AttentionArgs
 
 OP = "flash_attention"
 
@@ -44,6 +45,7 @@ class _Static:
     num_stages: int
     deterministic: bool
     backward: bool
+    signature: str  # the call's AttentionArgs.signature() as JSON: what its workspace is sized from
 
     def attributes(self, operands: int) -> dict[str, Any]:
         return dict(
@@ -105,12 +107,8 @@ def _cotangent_like(ct: Any, primal: Any, *inputs: Any) -> Any:
     return _vary_like(ct, primal)
 
 
-def _workspace(static: _Static, pass_: str, q: Any, k: Any) -> jax.ShapeDtypeStruct:
-    signature = {
-        **signature_of(q, k),
-        "segment_ids": bool(static.operands & _HAS_SEGMENT_IDS),
-        "deterministic": static.deterministic,
-    }
+def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
+    signature = {**json.loads(static.signature), "deterministic": static.deterministic}
     return jax.ShapeDtypeStruct((_native.workspace_bytes(OP, static.platform, pass_, signature),), jnp.uint8)
 
 
@@ -126,7 +124,7 @@ def _attention_fn(static: _Static):
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-                _workspace(static, "forward", q, k),
+                _workspace(static, "forward"),
             ),
             vmap_method="sequential",
         )
@@ -174,7 +172,7 @@ def _attention_fn(static: _Static):
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(bias.shape if wants_dbias else (0,), jnp.float32),
             jax.ShapeDtypeStruct(aux.shape if aux is not None else (0,), jnp.float32),
-            _workspace(static, "backward", q, k),
+            _workspace(static, "backward"),
         ]
         call = jax.ffi.ffi_call(bwd_target, results, vmap_method="sequential")
         optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
@@ -245,6 +243,7 @@ def flash_attention_native(
         num_stages=num_stages,
         deterministic=args.deterministic,
         backward=backward,
+        signature=json.dumps(args.signature(), sort_keys=True),
     )
     return _attention_fn(static)(
         args.query,

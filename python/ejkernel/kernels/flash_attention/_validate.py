@@ -64,7 +64,8 @@ class AttentionArgs:
 
     def signature(self) -> dict[str, Any]:
         """What a native implementation's heuristic, candidates and support depend on: shapes,
-        dtype, the features() names, the window's sides (-1: unbounded) and the bias dtype."""
+        dtype, the features() names, the window's sides (-1: unbounded), the bias dtype and the
+        bias's and mask's shapes."""
         left, right = self.sliding_window or (-1, -1)
         signature = {
             **signature_of(self.query, self.key),
@@ -74,6 +75,9 @@ class AttentionArgs:
         }
         if self.bias is not None:
             signature["bias_dtype"] = jnp.dtype(self.bias.dtype).name
+            signature["bias_shape"] = list(self.bias.shape)
+        if self.attention_mask is not None:
+            signature["mask_shape"] = list(self.attention_mask.shape)
         return signature
 
 

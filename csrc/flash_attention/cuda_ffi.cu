@@ -237,7 +237,8 @@ hopper::ForwardCall ForwardCallOfSignature(const nlohmann::json& signature) {
     int64_t bias_batch, bias_heads, mask_batch, mask_heads;
     BroadcastDims(signature, "bias_shape", &bias_batch, &bias_heads);
     BroadcastDims(signature, "mask_shape", &mask_batch, &mask_heads);
-    hopper::FoldBiasAndMask(bias_batch, bias_heads, mask_batch, mask_heads, &call.folded_batch, &call.folded_heads);
+    hopper::FoldBiasAndMask(bias_batch, bias_heads, mask_batch, mask_heads, &call.folded_batch, &call.folded_heads,
+                            &call.fold_per_row);
   }
   return call;
 }

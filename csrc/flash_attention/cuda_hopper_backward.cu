@@ -184,9 +184,11 @@ __device__ __forceinline__ float LoadScalar(const void* base, int dtype, int i) 
 
 // dsoftmax_aux[h] = -sum over rows with finite lse of exp(aux_h - lse_i) * delta_i, in a
 // fixed order (one block per head, fixed per-thread strides, fixed tree). Packed sequences:
-// rows outside every sequence are padding, which has no sink.
+// rows outside every sequence are padding, which has no sink. With `add`, the sum is added to
+// dsink (the later rows of a call run per batch row).
 __global__ void __launch_bounds__(kSinkThreads) SinkGradKernel(const void* sinks, int sink_dtype, const float* lse,
-                                                               const float* delta, float* dsink, int32_t batch,
+                                                               const float* delta, float* dsink, bool add,
+                                                               int32_t batch,
                                                                int32_t num_q_heads, int32_t seqlen_q,
                                                                int32_t padded_q, const int* cu_seqlens_q,
                                                                int32_t num_sequences) {
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kSinkThreads) SinkGradKernel(const void* sinks
     if (threadIdx.x < width) partial[threadIdx.x] += partial[threadIdx.x + width];
     __syncthreads();
   }
-  if (threadIdx.x == 0) dsink[h] = -partial[0];
+  if (threadIdx.x == 0) dsink[h] = (add ? dsink[h] : 0.0f) - partial[0];
 }
 
 // dq = scale * the tile-major accumulator (cuda_hopper_backward.cuh), one block per 64 x 64
@@ -365,7 +367,16 @@ size_t KernelScratchBytes(const Dims& dims, bool segment_ids, bool deterministic
   return AlignScratch(2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes);
 }
 
-Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream);
+// How one batch row of a call run row by row treats the gradients its rows share: dsoftmax_aux
+// always, dbias where the bias broadcasts over the batch (then added by atomics: each element
+// once per row, so the rows' sums come in a fixed order). The first row overwrites, the others
+// add.
+struct SharedGrads {
+  bool dbias_shared = false;
+  bool add = false;
+};
+
+Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, SharedGrads shared = {});
 
 }  // namespace
 }  // namespace hopper_backward
@@ -378,20 +389,34 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   const ForwardParams& f = args.p.fwd;
   EJK_RETURN_IF_ERROR(HopperBackwardSupports(args.p, args.dims, CurrentCudaDevice()));
   if (!f.bias.present() || !f.mask.present()) return hopper_backward::Run(args, scratch, stream);
-  // The forward's folded bias, again: the kernels read it, and dbias keeps the bias's shape
-  // (zero where the mask hides a key: P is 0 there).
-  CudaBackwardArgs folded = args;
+  // The forward's folded bias, again (per batch row where the forward's was): the kernels read
+  // it, and dbias keeps the bias's shape (zero where the mask hides a key: P is 0 there).
   char* at = static_cast<char*>(scratch) +
              hopper_backward::KernelScratchBytes(args.dims, f.q_segment_ids.present(), args.p.deterministic);
-  EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(f, hopper::ForwardCallOf(f, args.dims), at, stream, &folded.p.fwd.bias));
-  folded.p.fwd.mask = TensorView{};
-  return hopper_backward::Run(folded, scratch, stream);
+  const hopper::ForwardCall call = hopper::ForwardCallOf(f, args.dims);
+  const int64_t rows = call.fold_per_row ? args.dims.batch : 1;
+  for (int64_t b = 0; b < rows; ++b) {
+    CudaBackwardArgs folded = args;
+    hopper_backward::SharedGrads shared;
+    if (call.fold_per_row) {
+      BackwardParams& row = folded.p;
+      row.fwd = hopper::ForwardParamsOfRow(f, b);
+      for (TensorView* t : {&row.dout, &row.dlse, &row.dq, &row.dk, &row.dv, &row.dbias}) *t = hopper::BatchRow(*t, b);
+      folded.dims.batch = 1;
+      shared.dbias_shared = args.p.dbias.present() && args.p.dbias.dim(0) == 1 && args.dims.batch > 1;
+      shared.add = b > 0;
+    }
+    EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(folded.p.fwd, call, at, stream, &folded.p.fwd.bias));
+    folded.p.fwd.mask = TensorView{};
+    EJK_RETURN_IF_ERROR(hopper_backward::Run(folded, scratch, stream, shared));
+  }
+  return Status::Ok();
 }
 
 namespace hopper_backward {
 namespace {
 
-Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
+Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, SharedGrads shared) {
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
@@ -446,7 +471,7 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
     kp.dbias = p.dbias.ptr<float>();
     kp.dbias_stride_h = p.dbias.dim(1) > 1 ? plane : 0;
     kp.dbias_stride_b = p.dbias.dim(0) > 1 ? p.dbias.dim(1) * plane : 0;
-    kp.dbias_atomic = DbiasSummed(p, d);
+    kp.dbias_atomic = DbiasSummed(p, d) || shared.dbias_shared;
   }
   if (HasSegments(p)) {
     char* segments = base + 2 * sl.stat_bytes + sl.dq_bytes;
@@ -466,7 +491,9 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
                                                  cudaGetErrorString(err));
   };
   // dbias gets sums, and nothing where no key block sees the query tile.
-  if (kp.dbias != nullptr) EJK_RETURN_IF_ERROR(zero(kp.dbias, p.dbias.SizeBytes()));
+  if (kp.dbias != nullptr && !(shared.dbias_shared && shared.add)) {
+    EJK_RETURN_IF_ERROR(zero(kp.dbias, p.dbias.SizeBytes()));
+  }
   if (p.deterministic) {
     kp.dq_turns = reinterpret_cast<int*>(base + 2 * sl.stat_bytes + sl.dq_bytes + sl.q_id_bytes + sl.tile_segment_bytes);
     EJK_RETURN_IF_ERROR(zero(kp.dq_turns, sl.turn_bytes));
@@ -499,8 +526,8 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
   if (p.dsoftmax_aux.present()) {
     SinkGradKernel<<<static_cast<unsigned>(d.num_q_heads), kSinkThreads, 0, stream>>>(
         f.softmax_aux.data, static_cast<int>(f.softmax_aux.dtype), f.lse.ptr<float>(), delta,
-        p.dsoftmax_aux.ptr<float>(), static_cast<int32_t>(d.batch), kp.num_q_heads, kp.seqlen_q, kp.padded_q,
-        kp.cu_seqlens_q, kp.num_sequences);
+        p.dsoftmax_aux.ptr<float>(), shared.add, static_cast<int32_t>(d.batch), kp.num_q_heads, kp.seqlen_q,
+        kp.padded_q, kp.cu_seqlens_q, kp.num_sequences);
     EJK_RETURN_IF_ERROR(LastLaunch("sink gradient"));
   }
   const Elementwise feature = f.bias.present()   ? (p.dbias.present() ? Elementwise::kBiasWithGrad : Elementwise::kBias)

@@ -350,6 +350,23 @@ Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* ou
   return Status::Ok();
 }
 
+TensorView BatchRow(const TensorView& t, int64_t b) {
+  if (!t.present() || t.dim(0) == 1) return t;
+  TensorView row = t;
+  row.data = static_cast<char*>(t.data) + b * t.strides[0] * DTypeSize(t.dtype);
+  row.shape[0] = 1;
+  return row;
+}
+
+ForwardParams ForwardParamsOfRow(const ForwardParams& p, int64_t b) {
+  ForwardParams row = p;
+  for (TensorView* t : {&row.q, &row.k, &row.v, &row.bias, &row.mask, &row.q_segment_ids, &row.kv_segment_ids,
+                        &row.out, &row.lse}) {
+    *t = BatchRow(*t, b);
+  }
+  return row;
+}
+
 StatusOr<int> CurrentDeviceSms() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -436,12 +453,22 @@ Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
     return Status::InvalidArgument("hopper flash attention: a bias with an attention mask needs the scratch "
                                    "(ForwardHopperScratchBytes)");
   }
-  CudaForwardArgs folded = args;
   char* at = static_cast<char*>(args.scratch) + SegmentPartBytes(args.dims, args.p.q_segment_ids.present());
-  EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(args.p, hopper::ForwardCallOf(args.p, args.dims), at, stream,
-                                              &folded.p.bias));
-  folded.p.mask = TensorView{};
-  return LaunchHeadDim(folded, cfg, stream);
+  const hopper::ForwardCall call = hopper::ForwardCallOf(args.p, args.dims);
+  // Crossed broadcasts: one batch row at a time, each row's fold reusing the same memory (the
+  // stream orders a row's fold after the previous row's kernel).
+  const int64_t rows = call.fold_per_row ? args.dims.batch : 1;
+  for (int64_t b = 0; b < rows; ++b) {
+    CudaForwardArgs folded = args;
+    if (call.fold_per_row) {
+      folded.p = hopper::ForwardParamsOfRow(args.p, b);
+      folded.dims.batch = 1;
+    }
+    EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(folded.p, call, at, stream, &folded.p.bias));
+    folded.p.mask = TensorView{};
+    EJK_RETURN_IF_ERROR(LaunchHeadDim(folded, cfg, stream));
+  }
+  return Status::Ok();
 }
 
 }  // namespace ejk::flash_attention

@@ -1383,8 +1383,13 @@ StatusOr<int> CurrentDeviceSms();
 // Writes the call's bias and mask folded into one bias (FoldBiasAndMask: call.folded_batch x
 // call.folded_heads planes) to `out` (FoldedBiasBytes, 16-byte aligned) on the stream and
 // returns its view in *folded: mask ? bias : -inf, which the kernels read exactly as the mask.
+// For a call run per batch row, `p` is one row's (ForwardParamsOfRow).
 Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* out, cudaStream_t stream,
                        TensorView* folded);
+// Batch row b of a [B, ...] operand; a broadcast ([1, ...]) or absent one as it is.
+TensorView BatchRow(const TensorView& t, int64_t b);
+// Batch row b of a call without packed sequences or dropout (a bias and mask folded per row).
+ForwardParams ForwardParamsOfRow(const ForwardParams& p, int64_t b);
 
 template <int kHeadDim, class C, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {

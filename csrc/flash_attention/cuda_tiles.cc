@@ -59,19 +59,19 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   c.mask = p.mask.present();
   c.bias_dtype_matches = !c.bias || p.bias.dtype == p.q.dtype;
   if (c.bias && c.mask) {
-    FoldBiasAndMask(p.bias.dim(0), p.bias.dim(1), p.mask.dim(0), p.mask.dim(1), &c.folded_batch, &c.folded_heads);
+    FoldBiasAndMask(p.bias.dim(0), p.bias.dim(1), p.mask.dim(0), p.mask.dim(1), &c.folded_batch, &c.folded_heads,
+                    &c.fold_per_row);
   }
   return c;
 }
 
-bool FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
-                     int64_t* folded_batch, int64_t* folded_heads) {
+void FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
+                     int64_t* folded_batch, int64_t* folded_heads, bool* per_row) {
   const bool bias_covers = mask_batch <= bias_batch && mask_heads <= bias_heads;
   const bool mask_covers = bias_batch <= mask_batch && bias_heads <= mask_heads;
-  if (!bias_covers && !mask_covers) return false;
-  *folded_batch = std::max(bias_batch, mask_batch);
+  *per_row = !bias_covers && !mask_covers;
+  *folded_batch = *per_row ? 1 : std::max(bias_batch, mask_batch);
   *folded_heads = std::max(bias_heads, mask_heads);
-  return true;
 }
 
 size_t FoldedBiasBytes(const ForwardCall& c) {
@@ -81,10 +81,7 @@ size_t FoldedBiasBytes(const ForwardCall& c) {
 
 std::string DenseUnsupportedReason(const ForwardCall& c) {
   if (!c.bias && !c.mask) return "";
-  if (c.bias && c.mask && c.folded_batch == 0) {
-    return "a bias with an attention mask needs one's batch and head dims to cover the other's (they fold into one "
-           "bias)";
-  }
+  if (c.bias && c.mask && c.folded_batch == 0) return "a bias with an attention mask of unknown shapes";
   // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
   if (c.varlen) return "bias or mask with packed sequences is not supported";
   if (c.head_dim > 128) return "bias or mask above head_dim 128 is not supported";

@@ -118,24 +118,28 @@ struct ForwardCall {
   bool bias = false, mask = false;  // a dense bias / attention mask ([B|1, H|1, Sq, Sk])
   bool bias_dtype_matches = true;   // the bias has the query's dtype
   // A bias and a mask: the batch and head dims of the bias they fold into (FoldBiasAndMask),
-  // 0 where they do not fold.
+  // and whether it is folded and run one batch row at a time.
   int64_t folded_batch = 0, folded_heads = 0;
+  bool fold_per_row = false;
 };
 
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
 
 // The Hopper kernels read one dense operand, so a bias and an attention mask go to them folded
-// into one bias, mask ? bias : -inf (which the kernels treat exactly like the mask). They fold
-// where one's batch and head dims cover the other's, so that the folded bias is no larger than
-// the larger of the two: then the folded dims are stored and true is returned.
-bool FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
-                     int64_t* folded_batch, int64_t* folded_heads);
-// Bytes of a call's folded bias (16-bit elements), 0 for calls without one.
+// into one bias, mask ? bias : -inf (which the kernels treat exactly like the mask), never
+// larger than the larger of the two. Where one's batch and head dims cover the other's, the
+// whole call folds at once; where their broadcasts cross ([1, H] with [B, 1]), the call runs
+// one batch row at a time, each folded into [1, H]. Sets the folded bias's dims and whether it
+// is per row.
+void FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
+                     int64_t* folded_batch, int64_t* folded_heads, bool* per_row);
+// Bytes of a call's folded bias (16-bit elements; one batch row's where it runs per row), 0 for
+// calls without one.
 size_t FoldedBiasBytes(const ForwardCall& c);
 
 // Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
-// the call has neither). It takes one of them, or both where they fold into one bias
-// (FoldBiasAndMask), not with packed sequences, with or without segment ids, at head dims up
+// the call has neither). It takes one of them, or both (folded into one bias,
+// FoldBiasAndMask), not with packed sequences, with or without segment ids, at head dims up
 // to 128 (shared memory), a bias of the query's dtype, and rows of a multiple of 16 bytes (a
 // tensor map's strides): seqlen_k a multiple of 8 for a bias, of 16 for a mask alone.
 std::string DenseUnsupportedReason(const ForwardCall& c);

@@ -173,22 +173,30 @@ TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTileUpToHeadDim128) {
   EXPECT_EQ(hopper::DenseUnsupportedReason(Call(256, 300, 300)), "");  // neither
 }
 
-// A bias and a mask fold into one bias where one's batch and head dims cover the other's.
-TEST(HopperForwardTiles, BiasAndMaskFoldWhereOneCoversTheOther) {
+// A bias and a mask fold into one bias: at once where one's batch and head dims cover the
+// other's, else per batch row.
+TEST(HopperForwardTiles, BiasAndMaskFoldIntoOneBias) {
   int64_t batch = 0, heads = 0;
-  EXPECT_TRUE(hopper::FoldBiasAndMask(4, 8, 1, 8, &batch, &heads));  // the bias covers the mask
+  bool per_row = true;
+  hopper::FoldBiasAndMask(4, 8, 1, 8, &batch, &heads, &per_row);  // the bias covers the mask
   EXPECT_EQ(batch, 4);
   EXPECT_EQ(heads, 8);
-  EXPECT_TRUE(hopper::FoldBiasAndMask(1, 8, 4, 8, &batch, &heads));  // the mask covers the bias
+  EXPECT_FALSE(per_row);
+  hopper::FoldBiasAndMask(1, 8, 4, 8, &batch, &heads, &per_row);  // the mask covers the bias
   EXPECT_EQ(batch, 4);
   EXPECT_EQ(heads, 8);
-  EXPECT_TRUE(hopper::FoldBiasAndMask(1, 1, 1, 1, &batch, &heads));
+  EXPECT_FALSE(per_row);
+  hopper::FoldBiasAndMask(1, 1, 1, 1, &batch, &heads, &per_row);
   EXPECT_EQ(batch * heads, 1);
-  // [1, H] with [B, 1] would fold into [B, H], larger than both.
-  batch = heads = 7;
-  EXPECT_FALSE(hopper::FoldBiasAndMask(1, 8, 4, 1, &batch, &heads));
-  EXPECT_EQ(batch, 7);
-  EXPECT_FALSE(hopper::FoldBiasAndMask(4, 1, 1, 8, &batch, &heads));
+  // [1, H] with [B, 1] would fold into [B, H], larger than both: one row at a time.
+  hopper::FoldBiasAndMask(1, 8, 4, 1, &batch, &heads, &per_row);
+  EXPECT_EQ(batch, 1);
+  EXPECT_EQ(heads, 8);
+  EXPECT_TRUE(per_row);
+  hopper::FoldBiasAndMask(4, 1, 1, 8, &batch, &heads, &per_row);
+  EXPECT_EQ(batch, 1);
+  EXPECT_EQ(heads, 8);
+  EXPECT_TRUE(per_row);
 
   for (int64_t head_dim : {64, 96, 128}) {
     ForwardCall both = WithMask(WithBias(Call(head_dim, 300, 264)));  // seqlen_k: a bias's rule only
@@ -198,14 +206,12 @@ TEST(HopperForwardTiles, BiasAndMaskFoldWhereOneCoversTheOther) {
     EXPECT_EQ(ForwardTiles(both), (Tiles{hopper::kTileDense})) << head_dim;
     EXPECT_EQ(hopper::FoldedBiasBytes(both), size_t{2 * 3 * 300 * 264 * 2});
   }
-  ForwardCall unfolded = WithMask(WithBias(Call(128, 256, 256)));
-  EXPECT_EQ(hopper::FoldedBiasBytes(unfolded), 0u);
   EXPECT_EQ(hopper::FoldedBiasBytes(WithBias(Call(128, 256, 256))), 0u);
 }
 
 TEST(HopperForwardTiles, BiasOrMaskTheDenseTileCannotTakeSaysWhy) {
   const auto reason = [](ForwardCall c) { return hopper::DenseUnsupportedReason(c); };
-  EXPECT_NE(reason(WithMask(WithBias(Call(128, 256, 256)))).find("cover the other's"), std::string::npos);
+  EXPECT_NE(reason(WithMask(WithBias(Call(128, 256, 256)))).find("unknown shapes"), std::string::npos);
   EXPECT_NE(reason(WithBias(Call(192, 256, 256))).find("head_dim 128"), std::string::npos);
   ForwardCall f32_bias = WithBias(Call(64, 256, 256));
   f32_bias.bias_dtype_matches = false;
@@ -251,10 +257,13 @@ TEST(HopperForwardCall, FromParams) {
   EXPECT_TRUE(dense.bias && dense.mask && dense.bias_dtype_matches);
   EXPECT_EQ(dense.folded_batch, 1);
   EXPECT_EQ(dense.folded_heads, 1);
-  p.bias.shape[1] = 5;  // [1, 5] with [3, 1]: no fold
+  EXPECT_FALSE(dense.fold_per_row);
+  p.bias.shape[1] = 5;  // [1, 5] with [3, 1]: per batch row
   p.mask.shape[0] = 3;
-  EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_batch, 0);
+  EXPECT_TRUE(hopper::ForwardCallOf(p, d).fold_per_row);
+  EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_batch, 1);
   p.mask.shape[1] = 5;  // [3, 5] covers [1, 5]
+  EXPECT_FALSE(hopper::ForwardCallOf(p, d).fold_per_row);
   EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_batch, 3);
   EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_heads, 5);
   p.bias.dtype = DType::kF16;

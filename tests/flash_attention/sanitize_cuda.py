@@ -94,15 +94,15 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
     jax.block_until_ready(jax.grad(bias_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
     calls += 1
 
-    # A bias and a mask folded into one bias (the mask within the bias's broadcast shape).
-    folding_mask = jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2)
+    # A bias and a mask folded into one bias: the mask within the bias's broadcast shape (at
+    # once), then crossed broadcasts ([2, 1] with [1, 4]: per batch row).
+    for both_mask in (jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2), mask):
+        def bias_mask_loss(q, k, v, bias):
+            out = flash_attention(q, k, v, bias=bias, attention_mask=both_mask, causal=True, platform="cuda")
+            return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    def bias_mask_loss(q, k, v, bias):
-        out = flash_attention(q, k, v, bias=bias, attention_mask=folding_mask, causal=True, platform="cuda")
-        return jnp.sum(out.astype(jnp.float32) ** 2)
-
-    jax.block_until_ready(jax.grad(bias_mask_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
-    calls += 1
+        jax.block_until_ready(jax.grad(bias_mask_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
+        calls += 1
 
     # With segment ids too (at d64 with a bias the backward reads the query ids from global
     # memory).

@@ -234,10 +234,11 @@ CASES = [
          kv_heads=1, head_dim=96, window=(60, 10), soft_cap=8.0, mask="B1"),
     Case("tiles_bias_hopper_softcap_deterministic_bf16_d128", dtype="bfloat16", batch=1, seq_q=260, seq_k=136,
          q_heads=4, kv_heads=1, head_dim=128, soft_cap=4.0, bias="BH", deterministic=True),
-    # A bias and a mask together: on Hopper folded into one bias (mask ? bias : -inf) where one's
-    # batch and head dims cover the other's (the mask within the bias's shape, or the bias
-    # within the mask's, its gradient then summed over the batch); crossed broadcasts ([1, H]
-    # with [B, 1]) run on mma.sync.
+    # A bias and a mask together: on Hopper folded into one bias (mask ? bias : -inf), at once
+    # where one's batch and head dims cover the other's (the mask within the bias's shape, or
+    # the bias within the mask's, its gradient then summed over the batch), one batch row at a
+    # time where their broadcasts cross ([1, H] with [B, 1]: dbias and the sinks' gradient
+    # added up over the rows).
     Case("tiles_bias_mask_hopper_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=264, q_heads=4,
          kv_heads=2, head_dim=128, causal=True, bias="BH", mask="B1"),
     Case("tiles_bias_mask_hopper_f16_d64_window", dtype="float16", batch=2, seq_q=333, seq_k=400, q_heads=4,
@@ -248,8 +249,13 @@ CASES = [
          kv_heads=1, segments=True, bias="BH", mask="11"),
     Case("tiles_bias_mask_hopper_deterministic_bf16_d128", dtype="bfloat16", batch=1, seq_q=260, seq_k=136,
          q_heads=4, kv_heads=1, head_dim=128, bias="1H", mask="1H", deterministic=True),
-    Case("tiles_bias_mask_crossed_bf16_d128", dtype="bfloat16", batch=2, seq_q=200, seq_k=264, q_heads=2,
+    Case("tiles_bias_mask_per_row_bf16_d128", dtype="bfloat16", batch=2, seq_q=200, seq_k=264, q_heads=2,
          kv_heads=2, head_dim=128, causal=True, bias="1H", mask="B1"),
+    Case("tiles_bias_mask_per_row_f16_d64_sinks_segments", dtype="float16", batch=3, seq_q=300, seq_k=272,
+         q_heads=4, kv_heads=2, sinks=True, segments=True, bias="B1", mask="1H"),
+    Case("tiles_bias_mask_per_row_deterministic_bf16_d96", dtype="bfloat16", batch=2, seq_q=260, seq_k=136,
+         q_heads=2, kv_heads=1, head_dim=96, window=(60, 10), sinks=True, bias="1H", mask="B1", bias_constant=True,
+         deterministic=True),
     Case("everything_f16", dtype="float16", window=(10, 20), soft_cap=8.0, sinks=True, bias="BH",
          mask="B1", segments=True, dropout=0.25),
     # Segment ids on the Hopper kernels: every tile masked element-wise, with and without a
@@ -676,12 +682,12 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     mask = jnp.asarray(rng.random((2, 1, 512, 512)) < 0.5)
     assert heuristic_config("cuda", args(512, 64, attention_mask=mask, causal=True)) == narrow
     assert heuristic_config("cuda", args(512, 128, bias=bias, logits_soft_cap=5.0)) == narrow
-    # A bias with a mask whose batch and head dims it covers (or that covers it) folds into one.
+    # A bias with a mask folds into one bias (at once, or per batch row where broadcasts cross).
     assert heuristic_config("cuda", args(512, 128, bias=bias, attention_mask=mask)) == narrow
-    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias, head
-    # dims above 128, a bias and mask of crossed broadcasts.
     bias_1h = jnp.asarray(rng.standard_normal((1, 4, 512, 512)), jnp.bfloat16)
-    assert heuristic_config("cuda", args(512, 128, bias=bias_1h, attention_mask=mask)) == tile(64, 64, 4, 2)
+    assert heuristic_config("cuda", args(512, 128, bias=bias_1h, attention_mask=mask)) == narrow
+    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias, head
+    # dims above 128.
     assert heuristic_config("cuda", args(512, 128, bias=bias.astype(jnp.float32))) == tile(64, 64, 4, 2)
     assert heuristic_config("cuda", args(512, 256, bias=bias)) == tile(128, 64, 8, 2)
 

@@ -29,7 +29,7 @@ struct CudaForwardArgs {
   const uint32_t* dropout_seed = nullptr;
   // ForwardHopperScratchBytes of device memory, or null: with segment ids, the Hopper kernels
   // then skip the key tiles outside each query tile's segments (a C++ caller may pass null);
-  // a bias with a mask needs it (the folded bias).
+  // a call with a folded bias (hopper::PlanFold) needs it.
   void* scratch = nullptr;
 };
 
@@ -63,7 +63,7 @@ Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDevice
 // `cfg` picks one of hopper::ForwardTiles for the call (any other config runs the default).
 Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 // ForwardHopper's scratch, from shapes and features only: segment ranges that let it skip
-// tiles, then a bias and a mask folded into one bias (hopper::FoldBiasAndMask).
+// tiles, then a folded bias (hopper::PlanFold).
 size_t ForwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& call);
 
 // Hopper backward (wgmma), sm_90a only; a subset of the features (HopperBackwardSupports

@@ -100,7 +100,7 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
 // Device workspace of a call: the handler's last result, sized from shapes and flags alone
 // (the Python front end asks the registry entry's workspace_bytes), so that XLA owns it and
 // the launch can be captured into a command buffer. Where the Hopper kernels take the call on
-// this device, their scratch (segment ranges, a bias and mask folded into one bias); the
+// this device, their scratch (segment ranges, a folded bias: hopper::PlanFold); the
 // backward takes the larger of its two kernels' needs, which one runs being decided per call.
 size_t ForwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool dropout) {
   return HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok() ? ForwardHopperScratchBytes(dims, call) : 0;
@@ -233,13 +233,10 @@ hopper::ForwardCall ForwardCallOfSignature(const nlohmann::json& signature) {
   call.bias = HasFeature(signature, "bias");
   call.mask = HasFeature(signature, "attention_mask");
   call.bias_dtype_matches = signature.value("bias_dtype", dtype_name) == dtype_name;
-  if (call.bias && call.mask) {
-    int64_t bias_batch, bias_heads, mask_batch, mask_heads;
-    BroadcastDims(signature, "bias_shape", &bias_batch, &bias_heads);
-    BroadcastDims(signature, "mask_shape", &mask_batch, &mask_heads);
-    hopper::FoldBiasAndMask(bias_batch, bias_heads, mask_batch, mask_heads, &call.folded_batch, &call.folded_heads,
-                            &call.fold_per_row);
-  }
+  int64_t bias_batch, bias_heads, mask_batch, mask_heads;
+  BroadcastDims(signature, "bias_shape", &bias_batch, &bias_heads);
+  BroadcastDims(signature, "mask_shape", &mask_batch, &mask_heads);
+  hopper::PlanFold(bias_batch, bias_heads, mask_batch, mask_heads, &call);
   return call;
 }
 

@@ -388,12 +388,12 @@ size_t BackwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& c
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
   const ForwardParams& f = args.p.fwd;
   EJK_RETURN_IF_ERROR(HopperBackwardSupports(args.p, args.dims, CurrentCudaDevice()));
-  if (!f.bias.present() || !f.mask.present()) return hopper_backward::Run(args, scratch, stream);
+  const hopper::ForwardCall call = hopper::ForwardCallOf(f, args.dims);
+  if (call.folded_batch == 0) return hopper_backward::Run(args, scratch, stream);
   // The forward's folded bias, again (per batch row where the forward's was): the kernels read
   // it, and dbias keeps the bias's shape (zero where the mask hides a key: P is 0 there).
   char* at = static_cast<char*>(scratch) +
              hopper_backward::KernelScratchBytes(args.dims, f.q_segment_ids.present(), args.p.deterministic);
-  const hopper::ForwardCall call = hopper::ForwardCallOf(f, args.dims);
   const int64_t rows = call.fold_per_row ? args.dims.batch : 1;
   for (int64_t b = 0; b < rows; ++b) {
     CudaBackwardArgs folded = args;

@@ -285,8 +285,8 @@ constexpr int kFoldThreads = 256;
 // Chunks of 8 elements each thread folds, at most (fewer blocks to schedule).
 constexpr int kFoldChunksPerThread = 4;
 
-// One 16-byte chunk (8 elements) per step: out = mask ? bias : -inf, element-wise on the
-// 16-bit patterns. Planes (Sq x Sk, a multiple of 8 elements) go by (blockIdx.z, blockIdx.y) =
+// A bias and a mask with rows of whole 16-byte units: one 16-byte chunk (8 elements) per step,
+// out = mask ? bias : -inf, element-wise on the 16-bit patterns. Planes (Sq x Sk, a multiple of 8 elements) go by (blockIdx.z, blockIdx.y) =
 // (batch, head); a stride of 0 broadcasts the operand over that dimension.
 __global__ void __launch_bounds__(kFoldThreads) FoldBiasAndMaskKernel(
     const uint4* bias, const uint2* mask, uint4* out, int64_t plane_chunks, int64_t bias_batch_stride,
@@ -314,39 +314,85 @@ __global__ void __launch_bounds__(kFoldThreads) FoldBiasAndMaskKernel(
   }
 }
 
+// Any row length (a bias or mask alone, or rows not whole 16-byte units): one element per
+// thread and step, into rows of `row` elements (the padding past seqlen_k gets 0); rows of a
+// plane go by blockIdx.x. A null bias is 0; a null mask keeps everything. Strides in elements.
+__global__ void __launch_bounds__(kFoldThreads) FoldRowsKernel(
+    const uint16_t* bias, const uint8_t* mask, uint16_t* out, int32_t seqlen_q, int32_t seqlen_k, int32_t row,
+    int64_t bias_batch_stride, int64_t bias_head_stride, int64_t mask_batch_stride, int64_t mask_head_stride,
+    int32_t batch, int32_t heads, uint16_t neg_inf) {
+  for (int32_t b = blockIdx.z; b < batch; b += gridDim.z) {
+    for (int32_t h = blockIdx.y; h < heads; h += gridDim.y) {
+      const int64_t out_plane = (static_cast<int64_t>(b) * heads + h) * seqlen_q * row;
+      for (int32_t i = blockIdx.x; i < seqlen_q; i += gridDim.x) {
+        const int64_t bias_row = b * bias_batch_stride + h * bias_head_stride + static_cast<int64_t>(i) * seqlen_k;
+        const int64_t mask_row = b * mask_batch_stride + h * mask_head_stride + static_cast<int64_t>(i) * seqlen_k;
+        for (int32_t j = threadIdx.x; j < row; j += kFoldThreads) {
+          uint16_t v = 0;
+          if (j < seqlen_k) {
+            if (bias != nullptr) v = bias[bias_row + j];
+            if (mask != nullptr && mask[mask_row + j] == 0) v = neg_inf;
+          }
+          out[out_plane + static_cast<int64_t>(i) * row + j] = v;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* out, cudaStream_t stream,
                        TensorView* folded) {
   const TensorView& bias = p.bias;
   const TensorView& mask = p.mask;
-  if (call.folded_batch == 0 || bias.dtype != p.q.dtype || call.seqlen_k % 8 != 0 ||
-      reinterpret_cast<uintptr_t>(out) % 16 != 0) {
-    return Status::InvalidArgument("hopper flash attention: this bias and mask do not fold (DenseUnsupportedReason)");
+  if (call.folded_batch == 0 || (bias.present() && bias.dtype != p.q.dtype) ||
+      (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    return Status::InvalidArgument("hopper flash attention: this bias or mask does not fold (PlanFold)");
   }
-  const int64_t plane_chunks = call.seqlen_q * call.seqlen_k / 8;
-  const auto strides = [&](const TensorView& t, int64_t* batch_stride, int64_t* head_stride) {
-    *head_stride = t.dim(1) > 1 ? plane_chunks : 0;
-    *batch_stride = t.dim(0) > 1 ? t.dim(1) * plane_chunks : 0;
+  const int64_t row = FoldedRowElements(call.seqlen_k);
+  // Element strides of an operand's planes (0 along a broadcast dimension), in units of `unit`.
+  const auto strides = [&](const TensorView& t, int64_t unit, int64_t* batch_stride, int64_t* head_stride) {
+    const int64_t plane = call.seqlen_q * call.seqlen_k / unit;
+    *head_stride = t.present() && t.dim(1) > 1 ? plane : 0;
+    *batch_stride = t.present() && t.dim(0) > 1 ? t.dim(1) * plane : 0;
   };
+  const dim3 planes(1, static_cast<unsigned>(std::min<int64_t>(call.folded_heads, 65535)),
+                    static_cast<unsigned>(std::min<int64_t>(call.folded_batch, 65535)));
+  const uint16_t neg_inf = p.q.dtype == DType::kF16 ? 0xfc00u : 0xff80u;  // -inf in f16 / bf16
   int64_t bias_b, bias_h, mask_b, mask_h;
-  strides(bias, &bias_b, &bias_h);
-  strides(mask, &mask_b, &mask_h);
-  const int64_t x_blocks = std::min<int64_t>(
-      (plane_chunks + kFoldThreads * kFoldChunksPerThread - 1) / (kFoldThreads * kFoldChunksPerThread), INT32_MAX);
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(x_blocks, 1)),
-                  static_cast<unsigned>(std::min<int64_t>(call.folded_heads, 65535)),
-                  static_cast<unsigned>(std::min<int64_t>(call.folded_batch, 65535)));
-  const uint32_t neg_inf = bias.dtype == DType::kF16 ? 0xfc00u : 0xff80u;  // -inf in f16 / bf16
-  FoldBiasAndMaskKernel<<<grid, kFoldThreads, 0, stream>>>(
-      static_cast<const uint4*>(bias.data), static_cast<const uint2*>(mask.data), static_cast<uint4*>(out),
-      plane_chunks, bias_b, bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch),
-      static_cast<int32_t>(call.folded_heads), neg_inf);
+  if (bias.present() && mask.present() && call.seqlen_k % 8 == 0) {
+    // Whole 16-byte chunks.
+    const int64_t unit = 8, plane_chunks = call.seqlen_q * call.seqlen_k / unit;
+    strides(bias, unit, &bias_b, &bias_h);
+    strides(mask, unit, &mask_b, &mask_h);
+    dim3 grid = planes;
+    grid.x = static_cast<unsigned>(std::clamp<int64_t>(
+        (plane_chunks + kFoldThreads * kFoldChunksPerThread - 1) / (kFoldThreads * kFoldChunksPerThread), 1,
+        INT32_MAX));
+    FoldBiasAndMaskKernel<<<grid, kFoldThreads, 0, stream>>>(
+        static_cast<const uint4*>(bias.data), static_cast<const uint2*>(mask.data), static_cast<uint4*>(out),
+        plane_chunks, bias_b, bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch),
+        static_cast<int32_t>(call.folded_heads), neg_inf);
+  } else {
+    strides(bias, 1, &bias_b, &bias_h);
+    strides(mask, 1, &mask_b, &mask_h);
+    dim3 grid = planes;
+    grid.x = static_cast<unsigned>(std::clamp<int64_t>(call.seqlen_q, 1, INT32_MAX));
+    FoldRowsKernel<<<grid, kFoldThreads, 0, stream>>>(
+        bias.present() ? static_cast<const uint16_t*>(bias.data) : nullptr,
+        mask.present() ? static_cast<const uint8_t*>(mask.data) : nullptr, static_cast<uint16_t*>(out),
+        static_cast<int32_t>(call.seqlen_q), static_cast<int32_t>(call.seqlen_k), static_cast<int32_t>(row), bias_b,
+        bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch), static_cast<int32_t>(call.folded_heads),
+        neg_inf);
+  }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: bias and mask fold launch failed: ") +
                             cudaGetErrorString(err));
   }
-  *folded = TensorView::Contiguous(out, bias.dtype, {call.folded_batch, call.folded_heads, call.seqlen_q, call.seqlen_k});
+  TensorView view = TensorView::Contiguous(out, p.q.dtype, {call.folded_batch, call.folded_heads, call.seqlen_q, row});
+  view.shape[3] = call.seqlen_k;  // the padding is past the last key
+  *folded = view;
   return Status::Ok();
 }
 
@@ -448,13 +494,13 @@ size_t ForwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& ca
 Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   EJK_RETURN_IF_ERROR(HopperSupports(args.p, args.dims, CurrentCudaDevice()));
   if (args.dims.batch == 0 || args.dims.seqlen_q == 0 || args.dims.num_q_heads == 0) return Status::Ok();
-  if (!args.p.bias.present() || !args.p.mask.present()) return LaunchHeadDim(args, cfg, stream);
+  const hopper::ForwardCall call = hopper::ForwardCallOf(args.p, args.dims);
+  if (call.folded_batch == 0) return LaunchHeadDim(args, cfg, stream);
   if (args.scratch == nullptr) {
-    return Status::InvalidArgument("hopper flash attention: a bias with an attention mask needs the scratch "
-                                   "(ForwardHopperScratchBytes)");
+    return Status::InvalidArgument("hopper flash attention: a call with a folded bias (hopper::PlanFold) needs the "
+                                   "scratch (ForwardHopperScratchBytes)");
   }
   char* at = static_cast<char*>(args.scratch) + SegmentPartBytes(args.dims, args.p.q_segment_ids.present());
-  const hopper::ForwardCall call = hopper::ForwardCallOf(args.p, args.dims);
   // Crossed broadcasts: one batch row at a time, each row's fold reusing the same memory (the
   // stream orders a row's fold after the previous row's kernel).
   const int64_t rows = call.fold_per_row ? args.dims.batch : 1;

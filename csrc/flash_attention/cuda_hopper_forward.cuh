@@ -1380,10 +1380,10 @@ Status PrepareSegmentBounds(const CudaForwardArgs& args, int block_m, int block_
                             cudaStream_t stream);
 // Multiprocessors of the current device: the persistent grid's size.
 StatusOr<int> CurrentDeviceSms();
-// Writes the call's bias and mask folded into one bias (FoldBiasAndMask: call.folded_batch x
-// call.folded_heads planes) to `out` (FoldedBiasBytes, 16-byte aligned) on the stream and
-// returns its view in *folded: mask ? bias : -inf, which the kernels read exactly as the mask.
-// For a call run per batch row, `p` is one row's (ForwardParamsOfRow).
+// Writes the call's folded bias (PlanFold: call.folded_batch x call.folded_heads planes) to
+// `out` (FoldedBiasBytes, 16-byte aligned) on the stream and returns its view in *folded:
+// mask ? bias : -inf, which the kernels read exactly as the mask, in rows of
+// FoldedRowElements. For a call run per batch row, `p` is one row's (ForwardParamsOfRow).
 Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* out, cudaStream_t stream,
                        TensorView* folded);
 // Batch row b of a [B, ...] operand; a broadcast ([1, ...]) or absent one as it is.

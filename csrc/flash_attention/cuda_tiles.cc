@@ -58,10 +58,14 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   c.bias = p.bias.present();
   c.mask = p.mask.present();
   c.bias_dtype_matches = !c.bias || p.bias.dtype == p.q.dtype;
-  if (c.bias && c.mask) {
-    FoldBiasAndMask(p.bias.dim(0), p.bias.dim(1), p.mask.dim(0), p.mask.dim(1), &c.folded_batch, &c.folded_heads,
-                    &c.fold_per_row);
-  }
+  const auto batch_and_heads = [](const TensorView& t, int64_t* batch, int64_t* heads) {
+    *batch = t.present() ? t.dim(0) : 1;
+    *heads = t.present() ? t.dim(1) : 1;
+  };
+  int64_t bias_batch, bias_heads, mask_batch, mask_heads;
+  batch_and_heads(p.bias, &bias_batch, &bias_heads);
+  batch_and_heads(p.mask, &mask_batch, &mask_heads);
+  PlanFold(bias_batch, bias_heads, mask_batch, mask_heads, &c);
   return c;
 }
 
@@ -74,20 +78,35 @@ void FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch,
   *folded_heads = std::max(bias_heads, mask_heads);
 }
 
+void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads, ForwardCall* c) {
+  c->folded_batch = c->folded_heads = 0;
+  c->fold_per_row = false;
+  const bool folds = (c->bias && c->mask) || (c->bias && c->seqlen_k % 8 != 0) ||
+                     (c->mask && !c->bias && c->seqlen_k % 16 != 0);
+  if (!folds) return;
+  if (!c->bias) bias_batch = bias_heads = 1;
+  if (!c->mask) mask_batch = mask_heads = 1;
+  FoldBiasAndMask(bias_batch, bias_heads, mask_batch, mask_heads, &c->folded_batch, &c->folded_heads,
+                  &c->fold_per_row);
+}
+
+int64_t FoldedRowElements(int64_t seqlen_k) { return (seqlen_k + 7) / 8 * 8; }
+
 size_t FoldedBiasBytes(const ForwardCall& c) {
-  if (!c.bias || !c.mask) return 0;
-  return static_cast<size_t>(c.folded_batch * c.folded_heads * c.seqlen_q * c.seqlen_k) * 2;
+  return static_cast<size_t>(c.folded_batch * c.folded_heads * c.seqlen_q * FoldedRowElements(c.seqlen_k)) * 2;
 }
 
 std::string DenseUnsupportedReason(const ForwardCall& c) {
   if (!c.bias && !c.mask) return "";
-  if (c.bias && c.mask && c.folded_batch == 0) return "a bias with an attention mask of unknown shapes";
   // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
   if (c.varlen) return "bias or mask with packed sequences is not supported";
   if (c.head_dim > 128) return "bias or mask above head_dim 128 is not supported";
   if (c.bias && !c.bias_dtype_matches) return "the bias dtype must be the query's";
-  if (c.bias && c.seqlen_k % 8 != 0) return "a bias needs seqlen_k a multiple of 8";
-  if (c.mask && !c.bias && c.seqlen_k % 16 != 0) return "a mask needs seqlen_k a multiple of 16";
+  // Rows of the tensor map the kernels read are whole 16-byte units, else the call folds.
+  const bool rows_whole = c.seqlen_k % (c.bias ? 8 : 16) == 0;
+  if ((c.bias && c.mask) || !rows_whole) {
+    if (c.folded_batch == 0) return "a bias or mask that needs folding, of unknown shapes";
+  }
   return "";
 }
 

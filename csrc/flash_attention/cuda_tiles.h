@@ -117,31 +117,39 @@ struct ForwardCall {
   bool segment_ids = false;
   bool bias = false, mask = false;  // a dense bias / attention mask ([B|1, H|1, Sq, Sk])
   bool bias_dtype_matches = true;   // the bias has the query's dtype
-  // A bias and a mask: the batch and head dims of the bias they fold into (FoldBiasAndMask),
-  // and whether it is folded and run one batch row at a time.
+  // Where the kernels read a folded bias (PlanFold): its batch and head dims (0: no fold), and
+  // whether the call runs one batch row at a time.
   int64_t folded_batch = 0, folded_heads = 0;
   bool fold_per_row = false;
 };
 
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
 
-// The Hopper kernels read one dense operand, so a bias and an attention mask go to them folded
-// into one bias, mask ? bias : -inf (which the kernels treat exactly like the mask), never
-// larger than the larger of the two. Where one's batch and head dims cover the other's, the
-// whole call folds at once; where their broadcasts cross ([1, H] with [B, 1]), the call runs
-// one batch row at a time, each folded into [1, H]. Sets the folded bias's dims and whether it
-// is per row.
+// The Hopper kernels read one dense operand of the query's dtype whose rows are whole 16-byte
+// units (a tensor map's strides). Other calls reach them with a folded bias, written to the
+// workspace before each direction: mask ? bias : -inf (0 for the bias of a mask alone; the
+// kernels treat -inf exactly like the mask), in rows padded to a multiple of 8 elements. That
+// is a bias with a mask, a bias whose seqlen_k is not a multiple of 8, and a mask whose
+// seqlen_k is not a multiple of 16. The folded bias is never larger than the larger operand:
+// where one's batch and head dims cover the other's the whole call folds at once; where their
+// broadcasts cross ([1, H] with [B, 1]) the call runs one batch row at a time, each folded
+// into [1, H].
+// FoldBiasAndMask: the folded dims of a bias and a mask, and whether the call runs per row.
 void FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
                      int64_t* folded_batch, int64_t* folded_heads, bool* per_row);
+// PlanFold: sets c's fold from its bias's and mask's batch and head dims (those of an absent
+// operand are ignored); leaves it off where the kernels read the operand as it is.
+void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads, ForwardCall* c);
+// Elements per row of a folded bias: seqlen_k rounded up to a multiple of 8.
+int64_t FoldedRowElements(int64_t seqlen_k);
 // Bytes of a call's folded bias (16-bit elements; one batch row's where it runs per row), 0 for
 // calls without one.
 size_t FoldedBiasBytes(const ForwardCall& c);
 
 // Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
-// the call has neither). It takes one of them, or both (folded into one bias,
-// FoldBiasAndMask), not with packed sequences, with or without segment ids, at head dims up
-// to 128 (shared memory), a bias of the query's dtype, and rows of a multiple of 16 bytes (a
-// tensor map's strides): seqlen_k a multiple of 8 for a bias, of 16 for a mask alone.
+// the call has neither). It takes a bias of the query's dtype, a mask, or both (folded where
+// needed, PlanFold), not with packed sequences, with or without segment ids, at head dims up
+// to 128 (shared memory).
 std::string DenseUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff

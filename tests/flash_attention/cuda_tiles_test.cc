@@ -219,9 +219,34 @@ TEST(HopperForwardTiles, BiasOrMaskTheDenseTileCannotTakeSaysWhy) {
   ForwardCall packed = WithBias(Call(64, 256, 256));
   packed.varlen = true;
   EXPECT_NE(reason(packed).find("packed sequences"), std::string::npos);
-  // Rows of the tensor map must be whole 16-byte units.
-  EXPECT_NE(reason(WithBias(Call(64, 256, 260))).find("multiple of 8"), std::string::npos);
-  EXPECT_NE(reason(WithMask(Call(64, 256, 264))).find("multiple of 16"), std::string::npos);
+  // Rows that are not whole 16-byte units need a fold, which needs the operand's shape.
+  EXPECT_NE(reason(WithBias(Call(64, 256, 260))).find("unknown shapes"), std::string::npos);
+  EXPECT_NE(reason(WithMask(Call(64, 256, 264))).find("unknown shapes"), std::string::npos);
+}
+
+// A bias alone or a mask alone folds where its rows are not whole 16-byte units, into rows
+// padded to 8 elements.
+TEST(HopperForwardTiles, OddRowsFold) {
+  const auto planned = [](ForwardCall c, int64_t batch, int64_t heads) {
+    hopper::PlanFold(batch, heads, batch, heads, &c);
+    return c;
+  };
+  const ForwardCall bias_197 = planned(WithBias(Call(64, 197, 197)), 1, 12);
+  EXPECT_EQ(bias_197.folded_batch, 1);
+  EXPECT_EQ(bias_197.folded_heads, 12);
+  EXPECT_FALSE(bias_197.fold_per_row);
+  EXPECT_EQ(hopper::DenseUnsupportedReason(bias_197), "");
+  EXPECT_EQ(hopper::FoldedBiasBytes(bias_197), size_t{12 * 197 * 200 * 2});
+  const ForwardCall mask_264 = planned(WithMask(Call(128, 256, 264)), 2, 1);
+  EXPECT_EQ(mask_264.folded_batch, 2);
+  EXPECT_EQ(mask_264.folded_heads, 1);
+  EXPECT_EQ(hopper::DenseUnsupportedReason(mask_264), "");
+  EXPECT_EQ(hopper::FoldedBiasBytes(mask_264), size_t{2 * 256 * 264 * 2});
+  // Whole rows read the operand as it is.
+  EXPECT_EQ(planned(WithBias(Call(64, 200, 264)), 2, 2).folded_batch, 0);
+  EXPECT_EQ(planned(WithMask(Call(64, 200, 272)), 2, 2).folded_batch, 0);
+  EXPECT_EQ(hopper::FoldedRowElements(197), 200);
+  EXPECT_EQ(hopper::FoldedRowElements(256), 256);
 }
 
 TEST(HopperForwardCall, FromParams) {

@@ -72,10 +72,10 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
     jax.block_until_ready(flash_attention(q, k, v, causal=True, sliding_window=window, platform="cuda",
                                           return_lse=True))
     calls += 1
-# A bias or a mask on the Hopper kernels (keys a multiple of 16), broadcast or not, causal or
-# not, soft-capped or not, deterministic or not; gradients of q, k and v, and of the bias (the
-# Hopper backward).
-for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160)):
+# A bias or a mask on the Hopper kernels, broadcast or not, causal or not, soft-capped or not,
+# deterministic or not; gradients of q, k and v, and of the bias (the Hopper backward). Keys a
+# multiple of 16, then not (the operand folded into rows padded to 8 elements).
+for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (64, 77, 77), (128, 50, 200)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(2, 1, seq_q, seq_k)
     mask = jnp.asarray(rng.random((1, 4, seq_q, seq_k)) > 0.2)

@@ -191,8 +191,8 @@ CASES = [
          kv_heads=2, head_dim=96, causal=True, segments=True, deterministic=True),
     Case("tiles_d192_deterministic_gqa", dtype="bfloat16", batch=1, seq_q=333, seq_k=520, q_heads=4, kv_heads=1,
          head_dim=192, deterministic=True),
-    # A bias or mask alone on the Hopper kernels (bias of the input dtype, seq_k a multiple of 8
-    # for a bias and of 16 for a mask): its tile per key or query tile through shared memory,
+    # A bias or mask alone on the Hopper kernels (bias of the input dtype): its tile per key or
+    # query tile through shared memory,
     # broadcast over batch and heads, causal and window masks on top. The Hopper backward takes
     # a mask, and a bias at d96/d128, with its gradient (stored once per element, or summed
     # over a broadcast batch or heads) or without.
@@ -253,6 +253,16 @@ CASES = [
          kv_heads=2, head_dim=128, causal=True, bias="1H", mask="B1"),
     Case("tiles_bias_mask_per_row_f16_d64_sinks_segments", dtype="float16", batch=3, seq_q=300, seq_k=272,
          q_heads=4, kv_heads=2, sinks=True, segments=True, bias="B1", mask="1H"),
+    # Rows that are not whole 16-byte units (seq_k not a multiple of 8 for a bias, of 16 for a
+    # mask) fold into a bias of rows padded to 8 elements.
+    Case("tiles_bias_hopper_odd_keys_bf16_d64", dtype="bfloat16", batch=2, seq_q=197, seq_k=197, q_heads=4,
+         kv_heads=4, bias="1H"),
+    Case("tiles_mask_hopper_odd_keys_causal_f16_d128", dtype="float16", batch=2, seq_q=150, seq_k=200, q_heads=2,
+         kv_heads=1, head_dim=128, causal=True, mask="B1"),
+    Case("tiles_bias_mask_hopper_odd_keys_per_row_softcap_bf16_d96", dtype="bfloat16", batch=2, seq_q=131,
+         seq_k=131, q_heads=2, kv_heads=1, head_dim=96, soft_cap=5.0, bias="1H", mask="B1"),
+    Case("tiles_bias_hopper_odd_keys_deterministic_f16_d128", dtype="float16", batch=1, seq_q=99, seq_k=301,
+         q_heads=2, kv_heads=2, head_dim=128, bias="BH", deterministic=True),
     Case("tiles_bias_mask_per_row_deterministic_bf16_d96", dtype="bfloat16", batch=2, seq_q=260, seq_k=136,
          q_heads=2, kv_heads=1, head_dim=96, window=(60, 10), sinks=True, bias="1H", mask="B1", bias_constant=True,
          deterministic=True),

@@ -11,6 +11,7 @@
 //   CUDA entry point rejects a call that needs one (CheckFeaturesBuilt).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,13 @@
 #endif
 
 namespace ejk::flash_attention {
+
+// Whether this build has kernels for head dim d (one of 64, 96, 128, 192, 256).
+constexpr bool HeadDimBuilt(int64_t d) {
+  return (d == 64 && EJK_FA_HEAD_DIM_ENABLED(64)) || (d == 96 && EJK_FA_HEAD_DIM_ENABLED(96)) ||
+         (d == 128 && EJK_FA_HEAD_DIM_ENABLED(128)) || (d == 192 && EJK_FA_HEAD_DIM_ENABLED(192)) ||
+         (d == 256 && EJK_FA_HEAD_DIM_ENABLED(256));
+}
 
 inline constexpr bool kFloat16Built = EJK_FA_FEATURE_ENABLED(float16) != 0;
 inline constexpr bool kSoftCapBuilt = EJK_FA_FEATURE_ENABLED(logits_soft_cap) != 0;

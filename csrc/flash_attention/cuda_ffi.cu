@@ -26,29 +26,6 @@ namespace {
 
 constexpr std::array<int, 5> kHeadDims = {64, 96, 128, 192, 256};
 
-bool HeadDimBuilt(int64_t head_dim) {
-  switch (head_dim) {
-#if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64:
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96:
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128:
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192:
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256:
-#endif
-      return true;
-    default:
-      return false;
-  }
-}
-
 // Why the CUDA kernels cannot take a call of this dtype and head dim ("" when they can).
 std::string UnsupportedReason(const std::string& dtype, int64_t head_dim) {
   if (dtype != "bfloat16" && dtype != "float16") {

@@ -54,27 +54,6 @@ constexpr int kPreprocessThreads = 256;
 constexpr int kConvertThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
-bool HeadDimBuilt(int64_t d) {
-  switch (d) {
-#if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return true;
-#endif
-    default: return false;
-  }
-}
-
 // The head dim whose layout a built head dim runs in, its query rows per tile and keys per
 // block (cuda_hopper_backward.cuh).
 int PaddedDimFor(int64_t head_dim) {
@@ -333,7 +312,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   const ForwardParams& f = p.fwd;
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (f.q.dtype != DType::kBF16 && f.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + f.q.ToString());
-  if (!hopper_backward::HeadDimBuilt(dims.head_dim)) {
+  if (!HeadDimBuilt(dims.head_dim)) {
     return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
   }
   if (f.bias.present() || f.mask.present()) {

@@ -31,27 +31,6 @@ extern template Status Launch<256>(const CudaForwardArgs&, const CudaConfig&, cu
 
 namespace {
 
-bool HeadDimBuilt(int64_t d) {
-  switch (d) {
-#if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return true;
-#endif
-    default: return false;
-  }
-}
-
 // The driver's tensor-map encoder, found through the runtime (no link-time libcuda).
 PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -433,7 +412,7 @@ Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dro
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return HopperUnsupported(std::string("query dtype must be bf16 or f16, got ") + DTypeName(dtype));
   }
-  if (!hopper::HeadDimBuilt(call.head_dim)) {
+  if (!HeadDimBuilt(call.head_dim)) {
     return HopperUnsupported("head_dim must be 64, 96, 128, 192 or 256 (as built), got " +
                              std::to_string(call.head_dim));
   }
@@ -461,7 +440,7 @@ namespace {
 
 // Bytes of the segment ranges at the start of ForwardHopper's scratch (the folded bias follows).
 size_t SegmentPartBytes(const Dims& dims, bool segment_ids) {
-  return segment_ids && hopper::HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
+  return segment_ids && HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
 }
 
 Status LaunchHeadDim(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {

@@ -124,27 +124,6 @@ Status Memset(void* ptr, size_t bytes, cudaStream_t stream) {
   return Status::Internal(std::string("flash attention backward: memset failed: ") + cudaGetErrorString(err));
 }
 
-bool HeadDimBuilt(int64_t d) {
-  switch (d) {
-#if EJK_FA_HEAD_DIM_ENABLED(64)
-    case 64: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(96)
-    case 96: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(128)
-    case 128: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(192)
-    case 192: return true;
-#endif
-#if EJK_FA_HEAD_DIM_ENABLED(256)
-    case 256: return true;
-#endif
-    default: return false;
-  }
-}
-
 Status LaunchMain(int64_t d, const KernelArgs& a, bool bf16, bool general, bool deterministic, cudaStream_t stream) {
   switch (d) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)

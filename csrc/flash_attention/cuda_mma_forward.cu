@@ -10,17 +10,6 @@
 namespace ejk::flash_attention {
 namespace {
 
-bool HeadDimBuilt(int64_t head_dim) {
-  switch (head_dim) {
-    case 64: return EJK_FA_HEAD_DIM_ENABLED(64);
-    case 96: return EJK_FA_HEAD_DIM_ENABLED(96);
-    case 128: return EJK_FA_HEAD_DIM_ENABLED(128);
-    case 192: return EJK_FA_HEAD_DIM_ENABLED(192);
-    case 256: return EJK_FA_HEAD_DIM_ENABLED(256);
-    default: return false;
-  }
-}
-
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace

@@ -112,7 +112,9 @@ def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((_native.workspace_bytes(OP, static.platform, pass_, signature),), jnp.uint8)
 
 
-@functools.cache
+# One function per static (which holds the call's shapes): bounded, so that a process seeing
+# many shapes does not keep every one; an evicted entry is only rebuilt.
+@functools.lru_cache(maxsize=1024)
 def _attention_fn(static: _Static):
     fwd_target = f"ejkernel_flash_attention_fwd_{static.platform}"
     bwd_target = f"ejkernel_flash_attention_bwd_{static.platform}"

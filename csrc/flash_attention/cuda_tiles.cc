@@ -58,14 +58,7 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   c.bias = p.bias.present();
   c.mask = p.mask.present();
   c.bias_dtype_matches = !c.bias || p.bias.dtype == p.q.dtype;
-  const auto batch_and_heads = [](const TensorView& t, int64_t* batch, int64_t* heads) {
-    *batch = t.present() ? t.dim(0) : 1;
-    *heads = t.present() ? t.dim(1) : 1;
-  };
-  int64_t bias_batch, bias_heads, mask_batch, mask_heads;
-  batch_and_heads(p.bias, &bias_batch, &bias_heads);
-  batch_and_heads(p.mask, &mask_batch, &mask_heads);
-  PlanFold(bias_batch, bias_heads, mask_batch, mask_heads, &c);
+  PlanFold(p.bias.dim(0), p.bias.dim(1), p.mask.dim(0), p.mask.dim(1), &c);  // an absent one's dims are ignored
   return c;
 }
 

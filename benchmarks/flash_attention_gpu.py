@@ -51,8 +51,8 @@ class Case:
     varlen: bool = False  # pack `batch` sequences of random lengths into one row
     segments: int = 0  # segment ids: this many documents of random lengths in each row
     deterministic: bool = False  # the backward's bit-reproducible mode
-    # "bias": an additive [1, H, S, S] bias; "mask": a boolean [B, 1, S, S] mask; "bias_mask":
-    # the bias and a [1, 1, S, S] mask
+    # "bias": an additive [1, H, S, S] bias; "bias_bh": one of [B, H, S, S]; "mask": a boolean
+    # [B, 1, S, S] mask; "bias_mask": the [1, H, S, S] bias and a [1, 1, S, S] mask
     dense: str = ""
     dense_grad: bool = False  # forward+backward also differentiates the bias
 
@@ -105,6 +105,9 @@ def extra_cases() -> list[Case]:
         Case("mask", 4, 4096, 16, 128, dense="mask"),
         Case("dbias", 4, 4096, 16, 128, dense="bias", dense_grad=True),
         Case("dbias", 4, 4096, 16, 128, causal=True, dense="bias", dense_grad=True),
+        # A bias computed per example (a pair representation's, as in AlphaFold).
+        Case("dbias_bh", 4, 4096, 16, 128, dense="bias_bh", dense_grad=True),
+        Case("dbias_bh", 4, 4096, 16, 128, causal=True, dense="bias_bh", dense_grad=True),
         # A learned relative-position bias at d=64, as in T5.
         Case("bias_d64", 4, 4096, 32, 64, dense="bias"),
         Case("dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True),
@@ -139,8 +142,10 @@ def _inputs(case: Case, rng: np.random.Generator):
 def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
     """The bias or mask, passed to every implementation as an argument (a closed-over array
     would be compiled in as a constant)."""
-    if case.dense == "bias":
-        return (jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16),)
+    if case.dense in ("bias", "bias_bh"):
+        rows = case.batch if case.dense == "bias_bh" else 1
+        shape = (rows, case.heads, case.seqlen, case.seqlen)
+        return (jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16),)
     if case.dense == "mask":
         return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
     if case.dense == "bias_mask":
@@ -151,7 +156,7 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
 
 def _dense_kwargs(case: Case, dense: tuple, bias: str, mask: str) -> dict[str, Any]:
     """The dense inputs as keyword arguments named `bias` and `mask`."""
-    names = {"bias": (bias,), "mask": (mask,), "bias_mask": (bias, mask)}.get(case.dense, ())
+    names = {"bias": (bias,), "bias_bh": (bias,), "mask": (mask,), "bias_mask": (bias, mask)}.get(case.dense, ())
     return dict(zip(names, dense))
 
 

@@ -133,12 +133,11 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
   const float* lse = p.lse.ptr<float>() + (b * Hq + h) * Sq;
   const float* delta = c.delta + (b * Hq + h) * Sq;
   const bool segments = p.q_segment_ids.present();
-  float* dbias = nullptr;
+  const bool dbias = bp.dbias.present();
   int64_t bias_row0 = 0;
   if (p.bias.present()) {
     const int64_t bb = p.bias.dim(0) != 1 ? b : 0, bh = p.bias.dim(1) != 1 ? h : 0;
     bias_row0 = (bb * p.bias.dim(1) + bh) * Sq;
-    if (bp.dbias.present()) dbias = bp.dbias.ptr<float>();
   }
   const uint8_t* mask = nullptr;
   if (p.mask.present()) {
@@ -204,10 +203,12 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
       cpu::StoreF(srow + v * kLanes, kept);
       cpu::StoreF(dsrow + v * kLanes, pv * (dpv - row_delta));
     }
-    if (dbias) {
-      float* dbias_row = dbias + (bias_row0 + i) * Sk + j0;
+    if (dbias && bp.dbias.dtype == DType::kF32) {
+      float* dbias_row = bp.dbias.ptr<float>() + (bias_row0 + i) * Sk + j0;
 #pragma omp simd
       for (int64_t j = 0; j < nk; ++j) dbias_row[j] += dsrow[j];
+    } else if (dbias) {  // bf16/f16: this is the element's only write (BiasGradSummed is false)
+      cpu::StoreRow(dsrow, nk, 1.0f, bp.dbias.data, bp.dbias.dtype, (bias_row0 + i) * Sk + j0);
     }
     if (trow) {
       for (int64_t v = 0; v < nvk; ++v) {
@@ -378,10 +379,10 @@ Status BackwardCpu(const BackwardParams& bp, const CpuConfig& cfg) {
     std::fill(c.dq_acc + bh * Sq * c.head_dim_padded, c.dq_acc + (bh + 1) * Sq * c.head_dim_padded, 0.0f);
   }
   if (dbias) {
-    float* db = bp.dbias.ptr<float>();
-    const int64_t n = bp.dbias.NumElements();
+    uint8_t* db = static_cast<uint8_t*>(bp.dbias.data);
+    const int64_t n = static_cast<int64_t>(bp.dbias.SizeBytes());
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) db[i] = 0.0f;
+    for (int64_t i = 0; i < n; ++i) db[i] = 0;
   }
   // d/d aux_h of lse_i is exp(aux_h - lse_i); out_i's normaliser moves with it.
   if (bp.dsoftmax_aux.present()) {

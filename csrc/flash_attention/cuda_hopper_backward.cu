@@ -96,10 +96,10 @@ ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic) {
 
 bool HasSegments(const BackwardParams& p) { return p.fwd.q_segment_ids.present(); }
 
-// Whether several (batch, q head) pairs add into each element of dbias (it broadcasts over
-// the batch or the heads): the kernel sums them by atomics.
+// Whether several (batch, q head) pairs add into each element of dbias: the kernel sums them
+// by atomics. (dbias, not fwd.bias: a folded bias has the mask's broadcast dims too.)
 bool DbiasSummed(const BackwardParams& p, const Dims& d) {
-  return p.dbias.present() && (p.dbias.dim(0) != d.batch || p.dbias.dim(1) != d.num_q_heads);
+  return p.dbias.present() && BiasGradSummed(p.dbias, d);
 }
 
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
@@ -445,9 +445,11 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.dbias = nullptr;
   kp.dbias_stride_b = kp.dbias_stride_h = 0;
   kp.dbias_atomic = 0;
+  kp.dbias_f32 = 1;
   if (p.dbias.present()) {
     const int64_t plane = d.seqlen_q * d.seqlen_k;
-    kp.dbias = p.dbias.ptr<float>();
+    kp.dbias = p.dbias.data;
+    kp.dbias_f32 = p.dbias.dtype == DType::kF32;
     kp.dbias_stride_h = p.dbias.dim(1) > 1 ? plane : 0;
     kp.dbias_stride_b = p.dbias.dim(0) > 1 ? p.dbias.dim(1) * plane : 0;
     kp.dbias_atomic = DbiasSummed(p, d) || shared.dbias_shared;
@@ -469,8 +471,10 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
                               : Status::Internal(std::string("hopper flash attention backward: memset failed: ") +
                                                  cudaGetErrorString(err));
   };
-  // dbias gets sums, and nothing where no key block sees the query tile.
-  if (kp.dbias != nullptr && !(shared.dbias_shared && shared.add)) {
+  // Sums start from zero, and stores reach every element unless a mask (causal, window,
+  // segment ids) lets key blocks skip query tiles.
+  const bool tiles_skipped = f.causal || f.window_left >= 0 || f.window_right >= 0 || HasSegments(p);
+  if (kp.dbias != nullptr && (kp.dbias_atomic ? !(shared.dbias_shared && shared.add) : tiles_skipped)) {
     EJK_RETURN_IF_ERROR(zero(kp.dbias, p.dbias.SizeBytes()));
   }
   if (p.deterministic) {

@@ -189,12 +189,13 @@ struct Layout {
 struct KernelParams {
   CUtensorMap tma_q, tma_k, tma_v, tma_do;
   hopper::DenseOperand dense;  // a bias or mask, boxes of kBlockM rows (dense kernels only)
-  // kBiasWithGrad: the bias's gradient, f32 like the bias (zeroed before the launch), its
-  // strides (0 along a broadcast dimension), and whether several (batch, head) pairs add into
-  // its elements (a broadcast dimension): then by atomics, else each is stored once.
-  float* dbias;
+  // kBiasWithGrad: the bias's gradient, its strides (0 along a broadcast dimension), and
+  // whether several (batch, head) pairs add into its elements (a broadcast dimension): then
+  // f32 sums by atomics into zeroed memory, else each element is stored once, in f32 or in
+  // the inputs' dtype (dbias_f32 == 0).
+  void* dbias;
   int64_t dbias_stride_b, dbias_stride_h;
-  int dbias_atomic;
+  int dbias_atomic, dbias_f32;
   void *dk, *dv;
   const float* lse2;   // [B, Hq, padded_q] lse in log2 units, +inf for rows that see nothing
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
@@ -850,9 +851,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // 16-byte chunk ((key % Dense::kBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
       const uint32_t dense_tile = smem + L::kDenseOffset + s * L::kDenseTileBytes;
       // kBiasGrad: the item's [Sq, Sk] plane of dbias (dense calls: sq and sk are the tensor's).
-      float* dbias_rows = nullptr;
+      int64_t dbias_plane = 0;
       if constexpr (kBiasGrad) {
-        dbias_rows = p.dbias + batch * p.dbias_stride_b + (kv_head * p.group + it / m_count) * p.dbias_stride_h;
+        dbias_plane = batch * p.dbias_stride_b + (kv_head * p.group + it / m_count) * p.dbias_stride_h;
       }
       const auto dense_at = [&](int j, int r, int c) {
         const int query = 8 * j + 2 * t4 + c;
@@ -901,14 +902,19 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
             }
             if constexpr (kBiasGrad) {
               const int query = m0 + 8 * j + 2 * t4 + c, key = n0 + key_row + 8 * r;
-              if (dlogit != 0.0f && query < sq && key < sk) {
-                float* at = dbias_rows + static_cast<int64_t>(query) * sk + key;
-                // Reductions and stores, no loads: a read-modify-write here stalled the
-                // consumers on each load (forward+backward 22.1 against 9.3 ms, H100).
+              // Reductions and stores, no loads: a read-modify-write here stalled the
+              // consumers on each load (forward+backward 22.1 against 9.3 ms, H100). Stores
+              // write zeros too, so that an unmasked call needs no zeroing.
+              if ((dlogit != 0.0f || !p.dbias_atomic) && query < sq && key < sk) {
+                const int64_t at = dbias_plane + static_cast<int64_t>(query) * sk + key;
                 if (p.dbias_atomic) {
-                  atomicAdd(at, dlogit);
+                  atomicAdd(static_cast<float*>(p.dbias) + at, dlogit);
+                } else if (p.dbias_f32) {
+                  static_cast<float*>(p.dbias)[at] = dlogit;
+                } else if constexpr (kF16) {
+                  static_cast<__half*>(p.dbias)[at] = __float2half_rn(dlogit);
                 } else {
-                  *at = dlogit;
+                  static_cast<__nv_bfloat16*>(p.dbias)[at] = __float2bfloat16_rn(dlogit);
                 }
               }
             }

@@ -48,8 +48,10 @@ struct KernelArgs {
   const float* lse2;
   const float* delta;
   float* dq_accum;
-  float* dbias;  // [Bb, Hb, Sq, Sk] with f.bias_stride_*; null when not wanted
-  bool dbias_atomic;
+  // [Bb, Hb, Sq, Sk] with f.bias_stride_*, null when not wanted: f32, or T where each element
+  // is written once (dbias_f32 false; never with dbias_atomic).
+  void* dbias;
+  bool dbias_atomic, dbias_f32;
   int32_t batch, num_kv_heads;
   int32_t pairs_b, pairs_h;  // (batch, kv head) pairs per KvKernel block
 };
@@ -440,12 +442,14 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
                                       kGeneral ? bias[n][e] : 0.0f, kGeneral ? shown[n][e] : true, sc[n][e], dp[n][e]);
             if constexpr (kGeneral) {
               if (write_dbias && dlogit != 0.0f) {
-                float* at = a.dbias + b * f.bias_stride_b + h * f.bias_stride_h +
-                            static_cast<int64_t>(s.q_begin + i0 + qi) * Sk + s.k_begin + j0 + kj;
+                const int64_t at = b * f.bias_stride_b + h * f.bias_stride_h +
+                                   static_cast<int64_t>(s.q_begin + i0 + qi) * Sk + s.k_begin + j0 + kj;
                 if (a.dbias_atomic) {
-                  atomicAdd(at, dlogit);
+                  atomicAdd(static_cast<float*>(a.dbias) + at, dlogit);
+                } else if (a.dbias_f32) {
+                  static_cast<float*>(a.dbias)[at] += dlogit;
                 } else {
-                  *at += dlogit;
+                  static_cast<T*>(a.dbias)[at] = static_cast<T>(dlogit);
                 }
               }
             }

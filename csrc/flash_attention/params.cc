@@ -194,10 +194,15 @@ StatusOr<Dims> ValidateBackward(const BackwardParams& p) {
   EJK_RETURN_IF_ERROR(CheckShape(p.dv, "dv", {B, Sk, Hkv, D}, like_k));
   if (Given(p.dbias)) {
     if (!Given(f.bias)) return Invalid("dbias " + p.dbias.ToString() + " given without bias");
-    EJK_RETURN_IF_ERROR(CheckTensor(p.dbias, "dbias", 4, {DType::kF32}));
+    const bool bias_16bit = f.bias.dtype == DType::kBF16 || f.bias.dtype == DType::kF16;
+    EJK_RETURN_IF_ERROR(CheckTensor(p.dbias, "dbias", 4, {DType::kF32, bias_16bit ? f.bias.dtype : DType::kF32}));
     EJK_RETURN_IF_ERROR(CheckShape(p.dbias, "dbias",
                                    {f.bias.dim(0), f.bias.dim(1), f.bias.dim(2), f.bias.dim(3)},
                                    "like bias " + f.bias.ToString()));
+    if (p.dbias.dtype != DType::kF32 && BiasGradSummed(f.bias, d)) {
+      return Invalid("dbias " + p.dbias.ToString() + " must be f32: bias " + f.bias.ToString() +
+                     " broadcasts over the batch or the heads, so its gradient is a sum");
+    }
   }
   if (Given(p.dsoftmax_aux)) {
     if (!Given(f.softmax_aux)) {

@@ -51,7 +51,9 @@ struct ForwardParams {
 //   dlse         [B, Hq, Sq] f32, optional: cotangent of lse (d lse_i / d logit_ij = P_ij,
 //                so it enters as D_i = rowsum(dout_i * out_i) - dlse_i)
 //   dq, dk, dv   like q, k, v
-//   dbias        like bias, f32 (present iff bias is present and its gradient is wanted)
+//   dbias        like bias (present iff bias is present and its gradient is wanted): f32, or
+//                a bf16/f16 bias's own dtype where the bias has a plane per (batch, q head)
+//                (!BiasGradSummed): each element is then written once, rounded once
 //   dsoftmax_aux [Hq] f32 (present iff softmax_aux is present and its gradient is wanted)
 struct BackwardParams {
   ForwardParams fwd;  // fwd.out and fwd.lse are inputs here
@@ -66,6 +68,12 @@ struct Dims {
   int64_t batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim, num_sequences;
   bool varlen;
 };
+
+// Whether several (batch, q head) pairs add into each element of the bias's gradient: the
+// bias (or dbias, its shape) broadcasts over the batch or the heads. Such sums are kept in f32.
+inline bool BiasGradSummed(const TensorView& bias_shaped, const Dims& d) {
+  return bias_shaped.dim(0) != d.batch || bias_shaped.dim(1) != d.num_q_heads;
+}
 
 // Checks every shape, dtype and attribute; the message names the argument and its shape.
 // Does not read tensor data.

@@ -109,6 +109,7 @@ struct Case {
   float dropout = 0.0f;
   Broadcast bias = Broadcast::kNone;
   DType bias_dtype = DType::kF32;
+  bool dbias_in_bias_dtype = false;  // a bf16/f16 [B, Hq] bias's gradient in its own dtype
   Broadcast mask = Broadcast::kNone;
   DType mask_dtype = DType::kBool;
   bool sinks = false;
@@ -200,7 +201,7 @@ Tensors MakeInputs(const Case& c, std::mt19937& rng) {
   t.dq = HostTensor(c.dtype, t.q.shape());
   t.dk = HostTensor(c.dtype, t.k.shape());
   t.dv = HostTensor(c.dtype, t.v.shape());
-  if (!t.bias.empty()) t.dbias = HostTensor(DType::kF32, t.bias.shape());
+  if (!t.bias.empty()) t.dbias = HostTensor(c.dbias_in_bias_dtype ? c.bias_dtype : DType::kF32, t.bias.shape());
   if (!t.aux.empty()) t.daux = HostTensor(DType::kF32, {c.q_heads});
   t.seed = static_cast<uint32_t>(rng());
   t.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -454,7 +455,7 @@ void RunCase(const Case& c) {
   ExpectClose("dq", t.dq, ref.dq, tol);
   ExpectClose("dk", t.dk, ref.dk, tol);
   ExpectClose("dv", t.dv, ref.dv, tol);
-  if (!t.dbias.empty()) ExpectClose("dbias", t.dbias, ref.dbias, f32);
+  if (!t.dbias.empty()) ExpectClose("dbias", t.dbias, ref.dbias, ToleranceFor(t.dbias.dtype()));
   if (!t.daux.empty()) ExpectClose("dsoftmax_aux", t.daux, ref.daux, f32);
 }
 
@@ -511,6 +512,13 @@ std::vector<Case> Cases() {
   add("BiasBf16", [](Case& c) { c.bias = Broadcast::kOneHead; c.bias_dtype = DType::kBF16; });
   add("BiasF16", [](Case& c) { c.bias = Broadcast::kFull; c.bias_dtype = DType::kF16; });
   add("BiasF64", [](Case& c) { c.bias = Broadcast::kOneBatch; c.bias_dtype = DType::kF64; });
+  add("DbiasBf16", [](Case& c) {
+    c.bias = Broadcast::kFull; c.bias_dtype = DType::kBF16; c.dbias_in_bias_dtype = true; c.causal = true;
+  });
+  add("DbiasF16", [](Case& c) {
+    c.dtype = DType::kF16; c.bias = Broadcast::kFull; c.bias_dtype = DType::kF16; c.dbias_in_bias_dtype = true;
+    c.mask = Broadcast::kOneHead;
+  });
   add("MaskFull", [](Case& c) { c.mask = Broadcast::kFull; });
   add("MaskOneBoth", [](Case& c) { c.mask = Broadcast::kOneBoth; });
   add("MaskOneHeadU8", [](Case& c) { c.mask = Broadcast::kOneHead; c.mask_dtype = DType::kU8; });
@@ -920,6 +928,16 @@ TEST_F(FlashAttentionCpuValidation, BackwardOperands) {
   ExpectBackwardRejected(p, "dbias");
   p = Bwd();
   p.dbias = TensorView::Contiguous(floats_.data(), DType::kF32, {2, 8, 16, 24});
+  ExpectBackwardRejected(p, "dbias");
+  // A bf16 bias's gradient may be bf16 where no two (batch, head) pairs share an element.
+  p = Bwd();
+  p.fwd.bias.dtype = DType::kBF16;
+  p.dbias.dtype = DType::kBF16;
+  ExpectBackwardRejected(p, "broadcasts over the batch or the heads");
+  p.fwd.bias = TensorView::Contiguous(floats_.data(), DType::kBF16, {2, 8, 16, 24});
+  p.dbias = TensorView::Contiguous(floats_.data() + 8192, DType::kBF16, {2, 8, 16, 24});
+  EXPECT_TRUE(ValidateBackward(p).ok()) << ValidateBackward(p).status().ToString();
+  p.dbias.dtype = DType::kF16;
   ExpectBackwardRejected(p, "dbias");
   p = Bwd();
   p.fwd.bias = TensorView{};

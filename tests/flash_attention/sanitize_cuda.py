@@ -94,6 +94,18 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
     jax.block_until_ready(jax.grad(bias_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
     calls += 1
 
+    # A bias with a plane per (batch, head): its gradient stored once per element in its own
+    # dtype, without zeroing first where no causal mask lets blocks skip query tiles (with
+    # dropout: the mma.sync backward).
+    bias_bh = normal(2, 4, seq_q, seq_k)
+    for extra in (dict(), dict(causal=True), dict(dropout_prob=0.2, dropout_seed=3)):
+        def own_dtype_loss(q, k, v, bias):
+            out = flash_attention(q, k, v, bias=bias, platform="cuda", **extra)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        jax.block_until_ready(jax.grad(own_dtype_loss, argnums=(0, 1, 2, 3))(q, k, v, bias_bh))
+        calls += 1
+
     # A bias and a mask folded into one bias: the mask within the bias's broadcast shape (at
     # once), then crossed broadcasts ([2, 1] with [1, 4]: per batch row).
     for both_mask in (jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2), mask):

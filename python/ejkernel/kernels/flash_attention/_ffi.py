@@ -69,6 +69,14 @@ def _placeholder(x: Any, dtype: Any) -> Any:
     return jnp.zeros((0,), dtype) if x is None else x
 
 
+def _dbias_dtype(bias: Any, q: Any) -> Any:
+    """The dtype the backward writes dbias in: a bf16/f16 bias's own where it has a plane per
+    (batch, q head), so each element is written once and rounded once; float32 sums otherwise."""
+    own_planes = tuple(bias.shape[:2]) == (q.shape[0], q.shape[2])
+    half = jnp.dtype(bias.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return bias.dtype if own_planes and half else jnp.float32
+
+
 def _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed) -> list[Any]:
     return [
         _placeholder(bias, jnp.float32),
@@ -141,7 +149,7 @@ def _attention_fn(static: _Static):
 
     # Symbolic zeros: the forward learns which inputs are differentiated, the backward which
     # outputs' cotangents are zero. A bias that nothing differentiates (a fixed positional
-    # bias, say) gets no dbias: its float32 [B, H, Sq, Sk] sum is the backward's costliest part.
+    # bias, say) gets no dbias: its [B|1, H|1, Sq, Sk] gradient is the backward's costliest part.
     def attention_fwd(*primals):
         q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed = (
             None if p is None else p.value for p in primals)
@@ -172,7 +180,9 @@ def _attention_fn(static: _Static):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(bias.shape if wants_dbias else (0,), jnp.float32),
+            jax.ShapeDtypeStruct((0,), jnp.float32)
+            if not wants_dbias
+            else jax.ShapeDtypeStruct(bias.shape, _dbias_dtype(bias, q)),
             jax.ShapeDtypeStruct(aux.shape if aux is not None else (0,), jnp.float32),
             _workspace(static, "backward"),
         ]

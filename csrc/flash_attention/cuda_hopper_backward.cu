@@ -102,6 +102,20 @@ bool DbiasSummed(const BackwardParams& p, const Dims& d) {
   return p.dbias.present() && BiasGradSummed(p.dbias, d);
 }
 
+// Deterministic mode adds up the gradient of a bias broadcast over the batch (not the heads)
+// one batch row at a time: within a row each element has one writer, and the rows add in
+// stream order. Taken where one row's grid (kv heads x key blocks) fills the GPU; else the
+// rows' launches would cost more than the mma.sync kernel's single pass.
+bool DeterministicRowsSumDbias(const BackwardParams& p, const Dims& d,
+                               const CudaDeviceInfo& device = CurrentCudaDevice()) {
+  if (!p.deterministic || !p.dbias.present() || d.batch == 1 || p.dbias.dim(0) != 1 ||
+      p.dbias.dim(1) != d.num_q_heads) {
+    return false;
+  }
+  const int64_t block_n = BlockNFor(d.head_dim);
+  return d.num_kv_heads * ((d.seqlen_k + block_n - 1) / block_n) >= device.sm_count;
+}
+
 // lse2 (lse in log2 units; -inf, a row that saw nothing, as +inf so that every recomputed P
 // of it is 0) and delta = rowsum(dout * out) - dlse, [B, Hq, padded_q]; padding rows get +inf
 // and 0. Rows go in out's memory order, (b, i, h) with i < padded_q, and padded_dim / 8 lanes
@@ -318,8 +332,13 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
-    if (p.deterministic && hopper_backward::DbiasSummed(p, dims)) {
-      return no("deterministic mode with the gradient of a broadcast bias is not supported");
+    if (p.deterministic && p.dbias.present() && p.dbias.dim(1) != dims.num_q_heads) {
+      return no("deterministic mode with the gradient of a bias broadcast over the heads is not supported");
+    }
+    if (p.deterministic && p.dbias.present() && p.dbias.dim(0) != dims.batch &&
+        !hopper_backward::DeterministicRowsSumDbias(p, dims, device)) {
+      return no("deterministic mode with the gradient of a bias broadcast over the batch needs rows whose grid "
+                "fills the GPU (num_kv_heads * key blocks >= multiprocessors)");
     }
   }
   if (f.dropout_prob > 0.0f) return no("dropout is not supported");
@@ -368,26 +387,34 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   const ForwardParams& f = args.p.fwd;
   EJK_RETURN_IF_ERROR(HopperBackwardSupports(args.p, args.dims, CurrentCudaDevice()));
   const hopper::ForwardCall call = hopper::ForwardCallOf(f, args.dims);
-  if (call.folded_batch == 0) return hopper_backward::Run(args, scratch, stream);
+  const bool rows_sum_dbias = hopper_backward::DeterministicRowsSumDbias(args.p, args.dims);
+  if (call.folded_batch == 0 && !rows_sum_dbias) return hopper_backward::Run(args, scratch, stream);
   // The forward's folded bias, again (per batch row where the forward's was): the kernels read
   // it, and dbias keeps the bias's shape (zero where the mask hides a key: P is 0 there).
   char* at = static_cast<char*>(scratch) +
              hopper_backward::KernelScratchBytes(args.dims, f.q_segment_ids.present(), args.p.deterministic);
-  const int64_t rows = call.fold_per_row ? args.dims.batch : 1;
+  CudaBackwardArgs whole = args;
+  if (call.folded_batch != 0 && !call.fold_per_row) {
+    EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(f, call, at, stream, &whole.p.fwd.bias));
+    whole.p.fwd.mask = TensorView{};
+  }
+  const int64_t rows = call.fold_per_row || rows_sum_dbias ? args.dims.batch : 1;
   for (int64_t b = 0; b < rows; ++b) {
-    CudaBackwardArgs folded = args;
+    CudaBackwardArgs one = whole;
     hopper_backward::SharedGrads shared;
-    if (call.fold_per_row) {
-      BackwardParams& row = folded.p;
-      row.fwd = hopper::ForwardParamsOfRow(f, b);
+    if (rows > 1) {
+      BackwardParams& row = one.p;
+      row.fwd = hopper::ForwardParamsOfRow(whole.p.fwd, b);
       for (TensorView* t : {&row.dout, &row.dlse, &row.dq, &row.dk, &row.dv, &row.dbias}) *t = hopper::BatchRow(*t, b);
-      folded.dims.batch = 1;
+      one.dims.batch = 1;
       shared.dbias_shared = args.p.dbias.present() && args.p.dbias.dim(0) == 1 && args.dims.batch > 1;
       shared.add = b > 0;
     }
-    EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(folded.p.fwd, call, at, stream, &folded.p.fwd.bias));
-    folded.p.fwd.mask = TensorView{};
-    EJK_RETURN_IF_ERROR(hopper_backward::Run(folded, scratch, stream, shared));
+    if (call.fold_per_row) {
+      EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(one.p.fwd, call, at, stream, &one.p.fwd.bias));
+      one.p.fwd.mask = TensorView{};
+    }
+    EJK_RETURN_IF_ERROR(hopper_backward::Run(one, scratch, stream, shared));
   }
   return Status::Ok();
 }

@@ -231,6 +231,12 @@ CASES = [
          q_heads=2, kv_heads=1, head_dim=96, bias="BH", mask="11"),
     Case("tiles_bias_hopper_deterministic_f16_d64", dtype="float16", batch=1, seq_q=333, seq_k=144, q_heads=2,
          kv_heads=1, bias="1H", deterministic=True),
+    # Deterministic mode with the gradient of a bias broadcast over the batch: one batch row at
+    # a time on Hopper where a row's grid (kv heads x 128-key blocks) fills the GPU, as here.
+    Case("tiles_bias_hopper_deterministic_dbias_over_batch_bf16_d128", dtype="bfloat16", batch=2, seq_q=300,
+         seq_k=1030, q_heads=16, kv_heads=16, head_dim=128, bias="1H", deterministic=True),
+    Case("tiles_bias_hopper_deterministic_dbias_over_batch_causal_gqa_f16_d64", dtype="float16", batch=3, seq_q=200,
+         seq_k=2100, q_heads=16, kv_heads=8, causal=True, bias="1H", deterministic=True),
     # A soft cap with a bias (added after the cap) or a mask.
     Case("tiles_bias_hopper_softcap_bf16_d128_causal", dtype="bfloat16", batch=2, seq_q=200, seq_k=264, q_heads=4,
          kv_heads=2, head_dim=128, causal=True, soft_cap=6.0, bias="1H"),

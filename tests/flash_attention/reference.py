@@ -9,6 +9,7 @@ implementations under test.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -85,12 +86,37 @@ def visibility(batch: int, num_q_heads: int, seqlen_q: int, seqlen_k: int, *, at
     return visible, in_sequence
 
 
-def _attention(q, k, v, bias, aux, *, visible, in_sequence, keep, softmax_scale, logits_soft_cap):
+def _products(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k)
+
+
+@jax.custom_vjp
+def _products_spread(q, k):
+    """q . k, whose vjp gives each gradient element the root sum of squares of the terms it
+    sums instead of their sum: the spread of independent errors in the cotangents."""
+    return _products(q, k)
+
+
+def _products_spread_fwd(q, k):
+    return _products(q, k), (q, k)
+
+
+def _products_spread_bwd(residuals, g):
+    q, k = residuals
+    return (jnp.sqrt(jnp.einsum("bhqk,bkhd->bqhd", g * g, k * k)),
+            jnp.sqrt(jnp.einsum("bhqk,bqhd->bkhd", g * g, q * q)))
+
+
+_products_spread.defvjp(_products_spread_fwd, _products_spread_bwd)
+
+
+def _attention(q, k, v, bias, aux, *, visible, in_sequence, keep, softmax_scale, logits_soft_cap,
+               products=_products):
     """out [B, Sq, Hq, D], lse [B, Hq, Sq] in the dtype of q; keep is the dropout multiplier or None."""
     group = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, group, axis=2)
     v = jnp.repeat(v, group, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    logits = products(q, k) * softmax_scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     if bias is not None:
@@ -182,16 +208,23 @@ def reference_grads(query, key, value, *, dout, dlse=None, bias=None, attention_
                       else jnp.asarray(np.asarray(dlse, np.float64), compute_dtype))
 
         def outputs_and_grads(q, k, v, b, aux, cotangents):
-            def fn(q, k, v, b, aux):
+            def fn(q, k, v, b, aux, products=_products):
                 return _attention(q, k, v, b, aux, **static, softmax_scale=softmax_scale,
-                                  logits_soft_cap=logits_soft_cap)
+                                  logits_soft_cap=logits_soft_cap, products=products)
 
             outputs, vjp = jax.vjp(fn, q, k, v, b, aux)
             if delta_error is None:
                 return outputs, vjp(cotangents), None
             out = outputs[0]
-            slack = delta_error * jnp.sqrt(jnp.sum(jnp.square(cotangents[0] * out), axis=-1)).transpose(0, 2, 1)
-            return outputs, vjp(cotangents), vjp((jnp.zeros_like(out), slack))
+            slack = (jnp.zeros_like(out),
+                     delta_error * jnp.sqrt(jnp.sum(jnp.square(cotangents[0] * out), axis=-1)).transpose(0, 2, 1))
+            # The rows' delta errors have independent signs: a dquery or dkey element moves by
+            # about the root sum of squares of its rows' terms, and the signed sum alone can
+            # cancel by chance.
+            _, vjp_spread = jax.vjp(functools.partial(fn, products=_products_spread), q, k, v, b, aux)
+            moved = jax.tree.map(lambda signed, spread: jnp.maximum(jnp.abs(signed), spread),
+                                 vjp(slack), vjp_spread(slack))
+            return outputs, vjp(cotangents), moved
 
         def by_name(dq, dk, dv, db, daux):
             named = {"query": np.asarray(dq), "key": np.asarray(dk), "value": np.asarray(dv)}

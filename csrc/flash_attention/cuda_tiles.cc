@@ -62,8 +62,8 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   return c;
 }
 
-void FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
-                     int64_t* folded_batch, int64_t* folded_heads, bool* per_row) {
+void FoldedShape(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
+                 int64_t* folded_batch, int64_t* folded_heads, bool* per_row) {
   const bool bias_covers = mask_batch <= bias_batch && mask_heads <= bias_heads;
   const bool mask_covers = bias_batch <= mask_batch && bias_heads <= mask_heads;
   *per_row = !bias_covers && !mask_covers;
@@ -79,8 +79,8 @@ void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_
   if (!folds) return;
   if (!c->bias) bias_batch = bias_heads = 1;
   if (!c->mask) mask_batch = mask_heads = 1;
-  FoldBiasAndMask(bias_batch, bias_heads, mask_batch, mask_heads, &c->folded_batch, &c->folded_heads,
-                  &c->fold_per_row);
+  FoldedShape(bias_batch, bias_heads, mask_batch, mask_heads, &c->folded_batch, &c->folded_heads,
+              &c->fold_per_row);
 }
 
 int64_t FoldedRowElements(int64_t seqlen_k) { return (seqlen_k + 7) / 8 * 8; }

@@ -134,9 +134,9 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
 // where one's batch and head dims cover the other's the whole call folds at once; where their
 // broadcasts cross ([1, H] with [B, 1]) the call runs one batch row at a time, each folded
 // into [1, H].
-// FoldBiasAndMask: the folded dims of a bias and a mask, and whether the call runs per row.
-void FoldBiasAndMask(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
-                     int64_t* folded_batch, int64_t* folded_heads, bool* per_row);
+// FoldedShape: the folded dims of a bias and a mask, and whether the call runs per row.
+void FoldedShape(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads,
+                 int64_t* folded_batch, int64_t* folded_heads, bool* per_row);
 // PlanFold: sets c's fold from its bias's and mask's batch and head dims (those of an absent
 // operand are ignored); leaves it off where the kernels read the operand as it is.
 void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads, ForwardCall* c);

@@ -178,22 +178,22 @@ TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTileUpToHeadDim128) {
 TEST(HopperForwardTiles, BiasAndMaskFoldIntoOneBias) {
   int64_t batch = 0, heads = 0;
   bool per_row = true;
-  hopper::FoldBiasAndMask(4, 8, 1, 8, &batch, &heads, &per_row);  // the bias covers the mask
+  hopper::FoldedShape(4, 8, 1, 8, &batch, &heads, &per_row);  // the bias covers the mask
   EXPECT_EQ(batch, 4);
   EXPECT_EQ(heads, 8);
   EXPECT_FALSE(per_row);
-  hopper::FoldBiasAndMask(1, 8, 4, 8, &batch, &heads, &per_row);  // the mask covers the bias
+  hopper::FoldedShape(1, 8, 4, 8, &batch, &heads, &per_row);  // the mask covers the bias
   EXPECT_EQ(batch, 4);
   EXPECT_EQ(heads, 8);
   EXPECT_FALSE(per_row);
-  hopper::FoldBiasAndMask(1, 1, 1, 1, &batch, &heads, &per_row);
+  hopper::FoldedShape(1, 1, 1, 1, &batch, &heads, &per_row);
   EXPECT_EQ(batch * heads, 1);
   // [1, H] with [B, 1] would fold into [B, H], larger than both: one row at a time.
-  hopper::FoldBiasAndMask(1, 8, 4, 1, &batch, &heads, &per_row);
+  hopper::FoldedShape(1, 8, 4, 1, &batch, &heads, &per_row);
   EXPECT_EQ(batch, 1);
   EXPECT_EQ(heads, 8);
   EXPECT_TRUE(per_row);
-  hopper::FoldBiasAndMask(4, 1, 1, 8, &batch, &heads, &per_row);
+  hopper::FoldedShape(4, 1, 1, 8, &batch, &heads, &per_row);
   EXPECT_EQ(batch, 1);
   EXPECT_EQ(heads, 8);
   EXPECT_TRUE(per_row);

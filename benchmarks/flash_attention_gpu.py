@@ -111,6 +111,9 @@ def extra_cases() -> list[Case]:
         # A learned relative-position bias at d=64, as in T5.
         Case("bias_d64", 4, 4096, 32, 64, dense="bias"),
         Case("dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True),
+        # A bias at d=256 (the Hopper forward's 64-key tiles).
+        Case("bias_d256", 4, 4096, 8, 256, dense="bias"),
+        Case("bias_d256", 4, 4096, 8, 256, causal=True, dense="bias"),
         # A bias with a mask shared by every batch row and head.
         Case("bias_mask", 4, 4096, 16, 128, dense="bias_mask"),
         Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),

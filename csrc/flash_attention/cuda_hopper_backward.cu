@@ -332,6 +332,8 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
+    // Split queries (head dims 192 and 256) leave no shared memory for the tile.
+    if (dims.head_dim > 128) return no("bias or mask above head_dim 128 is not supported");
     if (p.deterministic && p.dbias.present() && p.dbias.dim(1) != dims.num_q_heads) {
       return no("deterministic mode with the gradient of a bias broadcast over the heads is not supported");
     }

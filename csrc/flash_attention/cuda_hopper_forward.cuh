@@ -97,16 +97,16 @@ constexpr bool HasDense(Elementwise features) {
 // A bias (bf16/f16) or mask (bytes) tile of kRows x kKeys in shared memory (none for other
 // features): [kRows][128 bytes] blocks of kBlockKeys keys in the 128-byte swizzle, as TMA
 // writes them from DenseOperand::map. The forward's are per key tile, the backward's per
-// query tile.
+// query tile. A mask tile of 64 keys takes a whole 128-key block and reads its first half.
 template <Elementwise kFeature, int kRows, int kKeys>
 struct DenseTile {
   static constexpr bool kBias = Has(kFeature, Elementwise::kBias);
   static constexpr bool kPresent = HasDense(kFeature);
   static constexpr int kBlockKeys = kBias ? 64 : 128;
   static constexpr int kBlockBytes = kRows * 128;
-  static constexpr int kBlocks = kPresent ? kKeys / kBlockKeys : 0;
+  static constexpr int kBlocks = kPresent ? (kKeys + kBlockKeys - 1) / kBlockKeys : 0;
   static constexpr int kBytes = kBlocks * kBlockBytes;
-  static_assert(!kPresent || kKeys % kBlockKeys == 0, "a dense tile is whole 128-byte rows");
+  static_assert(!kPresent || kKeys % kBlockKeys == 0 || (!kBias && kKeys == 64), "a dense tile is whole blocks");
 };
 
 // What the kernels read of a bias or mask [Bb, Hb, Sq, Sk] (PrepareDenseOperand).
@@ -418,6 +418,12 @@ __device__ __forceinline__ void WgmmaSSLeading64(float (&d)[kN], uint64_t desc_a
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }
+}
+
+// D[64x64] (+)= A[64x16] * B[16x64], A and B in shared memory (K-major): 64-key tiles.
+template <bool kF16>
+__device__ __forceinline__ void WgmmaSS(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  WgmmaSSLeading64<kF16>(d, desc_a, desc_b, accumulate);
 }
 
 // D[64x80] (+)= A[64x16] * B[16x80], A and B in shared memory (K-major).
@@ -1470,14 +1476,20 @@ Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
         return LaunchConfig<kHeadDim, TileConstants<kTileD128>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
     }
-  } else if constexpr (kHeadDim == 192) {
-    if (tile == kTileD192) {
-      return LaunchConfig<kHeadDim, TileConstants<kTileD192>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
-    }
   } else {
-    static_assert(kHeadDim == 256, "head dims 64, 96, 128, 192 and 256");
-    if (tile == kTileD256) {
-      return LaunchConfig<kHeadDim, TileConstants<kTileD256>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+    static_assert(kHeadDim == 192 || kHeadDim == 256, "head dims 64, 96, 128, 192 and 256");
+    if constexpr (HasDense(kFeature)) {
+      if (tile == kTileDenseD256) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileDenseD256>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
+    } else if constexpr (kHeadDim == 192) {
+      if (tile == kTileD192) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileD192>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
+    } else {
+      if (tile == kTileD256) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileD256>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      }
     }
   }
   return Status::Internal("hopper flash attention: no kernel built for tile " + ToString(tile) + " at head_dim " +
@@ -1513,35 +1525,27 @@ Status LaunchSegments(const CudaForwardArgs& args, const CudaConfig& cfg, cudaSt
   return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds>(args, cfg, stream);
 }
 
-// Calls with a bias or an attention mask (DenseUnsupportedReason: one of them, head dims up
-// to 128); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
+// Calls with a bias or an attention mask (DenseUnsupportedReason: one of them, or both folded
+// into a bias); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  if constexpr (kHeadDim <= 128) {
-    const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
-    if (args.p.bias.present()) {
-      return masked ? LaunchMasked<kHeadDim, true, Elementwise::kBias>(args, cfg, stream)
-                    : LaunchMasked<kHeadDim, false, Elementwise::kBias>(args, cfg, stream);
-    }
-    return masked ? LaunchMasked<kHeadDim, true, Elementwise::kMask>(args, cfg, stream)
-                  : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
-  } else {
-    return Status::Internal("hopper flash attention: no bias or mask kernel at head_dim " + std::to_string(kHeadDim));
+  const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
+  if (args.p.bias.present()) {
+    return masked ? LaunchMasked<kHeadDim, true, Elementwise::kBias>(args, cfg, stream)
+                  : LaunchMasked<kHeadDim, false, Elementwise::kBias>(args, cfg, stream);
   }
+  return masked ? LaunchMasked<kHeadDim, true, Elementwise::kMask>(args, cfg, stream)
+                : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
 }
 
 // Calls with segment ids and a bias or an attention mask (DenseUnsupportedReason); instantiated
 // per head dim in cuda_hopper_forward_segments_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchSegmentsDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  if constexpr (kHeadDim <= 128) {
-    if (args.p.bias.present()) {
-      return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds | Elementwise::kBias>(args, cfg, stream);
-    }
-    return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds | Elementwise::kMask>(args, cfg, stream);
-  } else {
-    return Status::Internal("hopper flash attention: no bias or mask kernel at head_dim " + std::to_string(kHeadDim));
+  if (args.p.bias.present()) {
+    return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds | Elementwise::kBias>(args, cfg, stream);
   }
+  return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds | Elementwise::kMask>(args, cfg, stream);
 }
 
 template <int kHeadDim>

@@ -93,7 +93,6 @@ std::string DenseUnsupportedReason(const ForwardCall& c) {
   if (!c.bias && !c.mask) return "";
   // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
   if (c.varlen) return "bias or mask with packed sequences is not supported";
-  if (c.head_dim > 128) return "bias or mask above head_dim 128 is not supported";
   if (c.bias && !c.bias_dtype_matches) return "the bias dtype must be the query's";
   // Rows of the tensor map the kernels read are whole 16-byte units, else the call folds.
   const bool rows_whole = c.seqlen_k % (c.bias ? 8 : 16) == 0;
@@ -140,8 +139,8 @@ std::vector<ForwardTile> ForwardTiles(const ForwardCall& c) {
       if (masked || c.soft_cap) return {kTileD128};
       if (short_call) return {kTileD128, kTileD128Wide};
       return {kTileD128Wide, kTileD128};
-    case 192: return {kTileD192};
-    case 256: return {kTileD256};
+    case 192: return {dense ? kTileDenseD256 : kTileD192};
+    case 256: return {dense ? kTileDenseD256 : kTileD256};
     default: return {};
   }
 }

@@ -92,9 +92,11 @@ struct ForwardTile {
 //   216 KB. 96-key tiles (room for O through shared memory) measured 26-30% slower (ptxas
 //   serialised their wgmma).
 // - d256: 80-key tiles, one Q slot.
-// - A dense bias or attention mask (head dims up to 128): its [128 x 128] tile per key tile
-//   goes through shared memory with K and V, two stages of all three; at d96/d128 that leaves
-//   room for one Q slot (a bias) or two (a mask).
+// - A dense bias or attention mask: its [128 x 128] tile per key tile goes through shared
+//   memory with K and V, two stages of all three; at d96/d128 that leaves room for one Q slot
+//   (a bias) or two (a mask). d192 and d256 take 64-key tiles: at d256 one Q slot (64 KB),
+//   two stages of K and V (128 KB) and of the tile (a bias's 16 KB, or a mask's 128-key box
+//   of which the tile reads half) fill 224 KB.
 inline constexpr ForwardTile kTileD64 = {3, 128, 4, 0};
 inline constexpr ForwardTile kTileD64Pairs = {2, 128, 4, 8};
 inline constexpr ForwardTile kTileD128Wide = {2, 176, 2, 0};
@@ -102,6 +104,7 @@ inline constexpr ForwardTile kTileD128 = {2, 128, 2, 16};
 inline constexpr ForwardTile kTileD192 = {2, 112, 2, 0};
 inline constexpr ForwardTile kTileD256 = {2, 80, 2, 0};
 inline constexpr ForwardTile kTileDense = {2, 128, 2, 0};
+inline constexpr ForwardTile kTileDenseD256 = {2, 64, 2, 0};
 // Calls of at most this many queries and keys (no band, no packed sequences) are short: their
 // tiles' start-up and epilogue weigh more.
 inline constexpr int64_t kShortSeqlen = 1024;
@@ -148,8 +151,8 @@ size_t FoldedBiasBytes(const ForwardCall& c);
 
 // Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
 // the call has neither). It takes a bias of the query's dtype, a mask, or both (folded where
-// needed, PlanFold), not with packed sequences, with or without segment ids, at head dims up
-// to 128 (shared memory).
+// needed, PlanFold), not with packed sequences, with or without segment ids. The Hopper
+// backward adds its own rules (HopperBackwardSupports).
 std::string DenseUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff
@@ -167,7 +170,8 @@ bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k)
 // The tiles the Hopper forward can run this call with, the default (the rule above, tuned on
 // H100) first, then the alternatives built and tested for calls of its kind: d64 without
 // segment ids, two warpgroups or three; d96/d128 without masks, soft cap or segment ids,
-// 128-key tiles or 176; a bias or mask, kTileDense. Empty for a head dim without Hopper kernels.
+// 128-key tiles or 176; a bias or mask, kTileDense (kTileDenseD256 at d192/d256). Empty for a
+// head dim without Hopper kernels.
 std::vector<ForwardTile> ForwardTiles(const ForwardCall& c);
 // The first of ForwardTiles(c) that `requested` names (Requests), else the default.
 ForwardTile ChooseForwardTile(const ForwardCall& c, const CudaConfig& requested);

@@ -214,6 +214,18 @@ CASES = [
          head_dim=128, mask="BH"),
     Case("tiles_mask_hopper_causal_f16_d128_sq<sk", dtype="float16", batch=1, seq_q=150, seq_k=400, q_heads=2,
          kv_heads=1, head_dim=128, causal=True, mask="B1"),
+    # At d192 and d256 the Hopper forward takes 64-key tiles (a mask's tile reads half of a
+    # 128-key box); the backward runs on mma.sync. Folded operands and segment ids too.
+    Case("tiles_bias_hopper_causal_gqa_bf16_d256", dtype="bfloat16", batch=1, seq_q=300, seq_k=264, q_heads=4,
+         kv_heads=2, head_dim=256, causal=True, bias="BH"),
+    Case("tiles_mask_hopper_window_f16_d192", dtype="float16", batch=1, seq_q=333, seq_k=400, q_heads=2,
+         kv_heads=1, head_dim=192, window=(100, 20), mask="1H"),
+    Case("tiles_bias_mask_hopper_per_row_softcap_bf16_d192", dtype="bfloat16", batch=2, seq_q=131, seq_k=200,
+         q_heads=2, kv_heads=1, head_dim=192, soft_cap=5.0, bias="1H", mask="B1"),
+    Case("tiles_mask_hopper_segments_sinks_f16_d256", dtype="float16", batch=2, seq_q=200, seq_k=304, q_heads=2,
+         kv_heads=2, head_dim=256, segments=True, sinks=True, mask="BH"),
+    Case("tiles_bias_hopper_odd_keys_f16_d256", dtype="float16", batch=1, seq_q=99, seq_k=197, q_heads=2,
+         kv_heads=1, head_dim=256, bias="11"),
     # The same in deterministic mode (a broadcast bias's gradient runs on mma.sync there).
     Case("tiles_bias_hopper_deterministic_bf16_d128_causal", dtype="bfloat16", batch=2, seq_q=300, seq_k=264,
          q_heads=4, kv_heads=2, head_dim=128, causal=True, bias="BH", deterministic=True),
@@ -717,10 +729,11 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     assert heuristic_config("cuda", args(512, 128, bias=bias, attention_mask=mask)) == narrow
     bias_1h = jnp.asarray(rng.standard_normal((1, 4, 512, 512)), jnp.bfloat16)
     assert heuristic_config("cuda", args(512, 128, bias=bias_1h, attention_mask=mask)) == narrow
-    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias, head
-    # dims above 128.
+    # Above head dim 128 a bias or mask takes 64-key tiles.
+    assert heuristic_config("cuda", args(512, 256, bias=bias)) == tile(128, 64, 12, 2)
+    assert config_candidates("cuda", args(512, 192, attention_mask=mask)) == [tile(128, 64, 12, 2)]
+    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias.
     assert heuristic_config("cuda", args(512, 128, bias=bias.astype(jnp.float32))) == tile(64, 64, 4, 2)
-    assert heuristic_config("cuda", args(512, 256, bias=bias)) == tile(128, 64, 8, 2)
 
     q = jnp.asarray(rng.standard_normal((2, 1500, 4, 128)), jnp.bfloat16)
     tuner = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))

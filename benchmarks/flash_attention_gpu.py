@@ -114,6 +114,7 @@ def extra_cases() -> list[Case]:
         # A bias at d=256 (the Hopper forward's 64-key tiles).
         Case("bias_d256", 4, 4096, 8, 256, dense="bias"),
         Case("bias_d256", 4, 4096, 8, 256, causal=True, dense="bias"),
+        Case("dbias_d256", 4, 4096, 8, 256, dense="bias", dense_grad=True),
         # A bias with a mask shared by every batch row and head.
         Case("bias_mask", 4, 4096, 16, 128, dense="bias_mask"),
         Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),

@@ -42,10 +42,14 @@ extern template Status LaunchSegmentsDense<128>(const KernelParams&, bool, bool,
 #if EJK_FA_HEAD_DIM_ENABLED(192)
 extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<192>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<256>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 
 namespace {
@@ -271,19 +275,14 @@ template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
   if (feature != Elementwise::kNone) {  // a bias or a mask
-    if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
-      if (kp.q_segment_ids != nullptr) {
-        if constexpr (kSegmentIdsBuilt) {
-          return LaunchSegmentsDense<kHeadDim>(kp, f16, softcap, feature, batch, stream);
-        } else {
-          return FeatureNotBuilt("segment_ids");
-        }
+    if (kp.q_segment_ids != nullptr) {
+      if constexpr (kSegmentIdsBuilt) {
+        return LaunchSegmentsDense<kHeadDim>(kp, f16, softcap, feature, batch, stream);
+      } else {
+        return FeatureNotBuilt("segment_ids");
       }
-      return LaunchDense<kHeadDim>(kp, f16, softcap, feature, batch, stream);
-    } else {
-      return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +
-                              std::to_string(kHeadDim));
     }
+    return LaunchDense<kHeadDim>(kp, f16, softcap, feature, batch, stream);
   }
   if (kp.q_segment_ids == nullptr) return Launch<kHeadDim>(kp, f16, softcap, batch, stream);
   if constexpr (kSegmentIdsBuilt) {
@@ -332,8 +331,6 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
     if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
-    // Split queries (head dims 192 and 256) leave no shared memory for the tile.
-    if (dims.head_dim > 128) return no("bias or mask above head_dim 128 is not supported");
     if (p.deterministic && p.dbias.present() && p.dbias.dim(1) != dims.num_q_heads) {
       return no("deterministic mode with the gradient of a bias broadcast over the heads is not supported");
     }

@@ -22,9 +22,10 @@
 // loaded; only tiles on a mask boundary or at the sequence end are masked element-wise.
 // Rows past the sequence come from TMA's zero fill and have lse = +inf (P = 0).
 //
-// A dense bias or attention mask (head dims up to 128): each query tile's [kBlockM x kBlockN]
-// tile of it comes by TMA with the tile's Q, and the consumers read their fragment's elements
-// from shared memory (the bias into S^T before P^T, the mask like the causal one). The bias's
+// A dense bias or attention mask: each query tile's [kBlockM x kBlockN] tile of it comes by
+// TMA with the tile's Q (splitting queries, into the stage's P^T buffer), and the consumers
+// read their fragment's elements from shared memory (the bias into S^T before P^T, the mask
+// like the causal one). The bias's
 // gradient, where wanted, is dS^T, which each thread writes into dbias from registers (by
 // atomics where the bias broadcasts, so that several (batch, head) pairs add into an element).
 // With a soft cap the bias comes after it, and dbias is the logit's gradient before the cap's
@@ -120,7 +121,7 @@ struct BlockM<256> {
 
 // kFeature: segment ids (each stage also holds its query tile's ids where there is room), a
 // dense bias or mask (each stage also holds its query tile's [kBlockM x kBlockN] tile of it;
-// split keys only), or both.
+// splitting queries, in the stage's P^T buffer), or both.
 template <int kHeadDim, Elementwise kFeature = Elementwise::kNone>
 struct Layout {
   static constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
@@ -144,14 +145,17 @@ struct Layout {
   static constexpr bool kLateDq = kPaddedDim == 128;
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kPaddedDim;
-  // The bias or mask tile per stage.
+  // The bias or mask tile per stage. Splitting queries there is no room for it: it loads into
+  // the stage's P^T buffer (two stages, P^T buffers by item parity), which the item's P^T
+  // overwrites once both consumer warpgroups have read their rows of the tile.
   using Dense = hopper::DenseTile<kFeature, kBlockM, kBlockN>;
   static constexpr bool kDense = Dense::kPresent;
   static constexpr int kDenseTileBytes = Dense::kBytes;
+  static constexpr int kDenseStageBytes = kSplitQueries ? 0 : kDenseTileBytes;
   // Bytes for `stages` stages of the Q/dO ring, with `q_id_bytes` of segment ids per stage
   // (the rest is fixed).
   static constexpr int BytesFor(int stages, int q_id_bytes) {
-    return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseTileBytes) + kDsBuffers * kDsBytes +
+    return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseStageBytes) + kDsBuffers * kDsBytes +
            (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + q_id_bytes) + 8 * (1 + 3 * stages);
   }
   static constexpr int kMaxBytes = 232448;
@@ -171,18 +175,20 @@ struct Layout {
   static constexpr int kQ = kV + kKvTileBytes;
   static constexpr int kDo = kQ + kStages * kQTileBytes;
   static constexpr int kDenseOffset = kDo + kStages * kQTileBytes;
-  static constexpr int kDs = kDenseOffset + kStages * kDenseTileBytes;
+  static constexpr int kDs = kDenseOffset + kStages * kDenseStageBytes;
   static constexpr int kP = kDs + kDsBuffers * kDsBytes;  // 2 buffers, split queries only
   static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);
   static constexpr int kDelta = kLse + kStages * kBlockM * 4;
   static constexpr int kQIds = kDelta + kStages * kBlockM * 4;
+  // Where stage s's bias or mask tile goes.
+  static constexpr int DenseOffset(int s) { return kSplitQueries ? kP + s * kDsBytes : kDenseOffset + s * kDenseTileBytes; }
   static constexpr int kBarriers = kQIds + kStages * kQIdBytes;
   // kv_full, q_full[kStages], do_full[kStages], empty[kStages].
   static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
   static constexpr int kAllocBytes = kBytes + kAlignSlack;
   static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
   static_assert(kBytes == BytesFor(kStages, kQIdBytes), "shared memory");
-  static_assert(!kDense || !kSplitQueries, "dense tiles: split keys only");
+  static_assert(!kDense || !kSplitQueries || (kStages == 2 && kDenseTileBytes == kDsBytes), "dense tile in P^T");
 };
 
 // Everything the kernel reads: tensor maps (by value, __grid_constant__) and scalars.
@@ -423,6 +429,7 @@ constexpr int kBarDsReady = 1;   // split queries: both consumer warpgroups stor
 constexpr int kBarDsStored = 2;  // split keys: + 2 wg + item parity: warpgroup wg stored its dS^T
 constexpr int kBarDqGo = 6;      // + wg: deterministic mode, warpgroup wg's turn at a dQ tile came
 constexpr int kBarDqDone = 8;    // + wg: warpgroup wg added its dQ into the tile
+constexpr int kBarDenseRead = 10;  // split queries: both consumer warpgroups read the dense tile
 
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
@@ -546,8 +553,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
           TmaLoad4d(q_smem(s) + cb * L::kQBlockBytes, &p.tma_q, q_full(s), cb * 64, head, m0, batch);
         }
         if constexpr (L::kDense) {  // never with packed sequences: k_begin is 0
-          LoadDenseTile<typename L::Dense>(smem + L::kDenseOffset + s * L::kDenseTileBytes, p.dense, q_full(s), n0, m0,
-                                           head, batch);
+          LoadDenseTile<typename L::Dense>(smem + L::DenseOffset(s), p.dense, q_full(s), n0, m0, head, batch);
         }
         BulkLoad(smem + L::kLse + s * kBlockM * 4, p.lse2 + row, kBlockM * 4, q_full(s));
         if constexpr (L::kQIdBytes > 0) {
@@ -717,6 +723,25 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       WgmmaSST<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
     }
   };
+  // kBiasGrad: the logit's gradient into item it's [Sq, Sk] plane of dbias (dense calls: sq and
+  // sk are the tensor's). Reductions and stores, no loads: a read-modify-write here stalled
+  // the consumers on each load (forward+backward 22.1 against 9.3 ms, H100). Stores write
+  // zeros too, so that an unmasked call needs no zeroing.
+  const auto store_dbias = [&](int it, int query, int key, float dlogit) {
+    if ((dlogit != 0.0f || !p.dbias_atomic) && query < sq && key < sk) {
+      const int64_t at = batch * p.dbias_stride_b + (kv_head * p.group + it / m_count) * p.dbias_stride_h +
+                         static_cast<int64_t>(query) * sk + key;
+      if (p.dbias_atomic) {
+        atomicAdd(static_cast<float*>(p.dbias) + at, dlogit);
+      } else if (p.dbias_f32) {
+        static_cast<float*>(p.dbias)[at] = dlogit;
+      } else if constexpr (kF16) {
+        static_cast<__half*>(p.dbias)[at] = __float2half_rn(dlogit);
+      } else {
+        static_cast<__nv_bfloat16*>(p.dbias)[at] = __float2bfloat16_rn(dlogit);
+      }
+    }
+  };
   if (items > 0) MbarWait(kv_full, 0);
   for (int it = 0; it < items; ++it) {
     const int s = it % L::kStages;
@@ -746,9 +771,47 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 
       const float* lse = reinterpret_cast<const float*>(smem_ptr + L::kLse + s * kBlockM * 4);
       const float* delta = reinterpret_cast<const float*>(smem_ptr + L::kDelta + s * kBlockM * 4);
-      const bool masked = kSegments || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
+      const bool masked = kSegments || kMask || n0 + kBlockN > sk || n0 + kBlockN - 1 > m0 + offset + p.right ||
                           n0 < m0 + kBlockM - 1 + offset - p.left || m0 < 0 || m0 + kBlockM > q_fence;
       const int* q_ids = reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes);
+      // The bias or mask of this thread's elements, read before either warpgroup overwrites the
+      // stage's P^T buffer, which holds the tile: element (key key_row + 8 r, query 32 wg + 8 j
+      // + 2 t4 + c) sits in row query, 16-byte chunk (key / 8 for a bias, key / 16 for a mask)
+      // ^ (query % 8), and key_row % 8 == g.
+      float bias_after_cap[16];  // kBiasAfterCap only
+      uint32_t shown = 0xffffu;  // a mask's element i, bit i
+      if constexpr (L::kDense) {
+        const uint32_t dense_tile = smem + L::DenseOffset(s);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int i = 4 * j + 2 * r + c;
+              const uint32_t row = dense_tile + (32 * wg + 8 * j + 2 * t4 + c) * 128;
+              if constexpr (L::Dense::kBias) {
+                uint16_t bits;
+                asm volatile("ld.shared.u16 %0, [%1];\n"
+                             : "=h"(bits)
+                             : "r"(row + (((2 * warp + r) ^ (2 * t4 + c)) << 4) + 2 * g)
+                             : "memory");
+                const float bias = kF16 ? __half2float(__ushort_as_half(bits)) : __bfloat162float(__ushort_as_bfloat16(bits));
+                if constexpr (kBiasAfterCap) {
+                  bias_after_cap[i] = bias * p.dense.bias_to_score;
+                } else {
+                  sc[i] = fmaf(bias, p.dense.bias_to_score, sc[i]);
+                }
+              } else {
+                uint16_t byte;
+                asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(byte) : "r"(row + ((warp ^ (2 * t4 + c)) << 4) + g + 8 * r) : "memory");
+                if (byte == 0) shown &= ~(1u << i);
+              }
+            }
+          }
+        }
+        NamedBarrierSync(kBarDenseRead, 256);
+      }
       // Columns are queries 32 wg + 8j + 2 t4 + c; P^T and dS^T go to [key][64 queries] in the
       // 128-byte swizzle: the pair (key, queries 8 (4 wg + j) + 2 t4 + {0, 1}) sits in 16-byte
       // chunk (4 wg + j) ^ (key % 8), and key % 8 == g.
@@ -765,11 +828,14 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * r + c;
-            float dlogit;  // no bias in this layout
-            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, 0.0f, dlogit);
-            if (masked && (hidden(n0 + key_row + 8 * r, m0 + q_col + c) | other_segment(c ? ids.y : ids.x, r))) {
-              sc[i] = dp[i] = 0.0f;
+            float dlogit;
+            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, kBiasAfterCap ? bias_after_cap[i] : 0.0f,
+                          dlogit);
+            if (masked && (hidden(n0 + key_row + 8 * r, m0 + q_col + c) | other_segment(c ? ids.y : ids.x, r) |
+                           (kMask && !((shown >> i) & 1u)))) {
+              sc[i] = dp[i] = dlogit = 0.0f;
             }
+            if constexpr (kBiasGrad) store_dbias(it, m0 + q_col + c, n0 + key_row + 8 * r, dlogit);
           }
           const int at = (key_row + 8 * r) * 128 + (((4 * wg + j) ^ g) << 4) + t4 * 4;
           *reinterpret_cast<uint32_t*>(p_base + at) = Pack<kF16>(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
@@ -849,12 +915,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
                              : p.q_segment_ids + static_cast<int64_t>(batch) * p.padded_q + m0;
       // The bias or mask tile: element (query q, key wg * 64 + 16 warp + 8 r + g) sits in row q,
       // 16-byte chunk ((key % Dense::kBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
-      const uint32_t dense_tile = smem + L::kDenseOffset + s * L::kDenseTileBytes;
-      // kBiasGrad: the item's [Sq, Sk] plane of dbias (dense calls: sq and sk are the tensor's).
-      int64_t dbias_plane = 0;
-      if constexpr (kBiasGrad) {
-        dbias_plane = batch * p.dbias_stride_b + (kv_head * p.group + it / m_count) * p.dbias_stride_h;
-      }
+      const uint32_t dense_tile = smem + L::DenseOffset(s);
       const auto dense_at = [&](int j, int r, int c) {
         const int query = 8 * j + 2 * t4 + c;
         if constexpr (kMask) {
@@ -900,24 +961,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
                            hidden_by_mask)) {
               sc[i] = dp[i] = dlogit = 0.0f;
             }
-            if constexpr (kBiasGrad) {
-              const int query = m0 + 8 * j + 2 * t4 + c, key = n0 + key_row + 8 * r;
-              // Reductions and stores, no loads: a read-modify-write here stalled the
-              // consumers on each load (forward+backward 22.1 against 9.3 ms, H100). Stores
-              // write zeros too, so that an unmasked call needs no zeroing.
-              if ((dlogit != 0.0f || !p.dbias_atomic) && query < sq && key < sk) {
-                const int64_t at = dbias_plane + static_cast<int64_t>(query) * sk + key;
-                if (p.dbias_atomic) {
-                  atomicAdd(static_cast<float*>(p.dbias) + at, dlogit);
-                } else if (p.dbias_f32) {
-                  static_cast<float*>(p.dbias)[at] = dlogit;
-                } else if constexpr (kF16) {
-                  static_cast<__half*>(p.dbias)[at] = __float2half_rn(dlogit);
-                } else {
-                  static_cast<__nv_bfloat16*>(p.dbias)[at] = __float2bfloat16_rn(dlogit);
-                }
-              }
-            }
+            if constexpr (kBiasGrad) store_dbias(it, m0 + 8 * j + 2 * t4 + c, n0 + key_row + 8 * r, dlogit);
           }
         }
       }
@@ -1083,19 +1127,16 @@ Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch,
 template <int kHeadDim, Elementwise kWith>
 Status LaunchDenseWith(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                        cudaStream_t stream) {
-  if constexpr (PaddedHeadDim<kHeadDim>::kValue <= 128) {
-    if (feature == Elementwise::kMask) {
-      return LaunchVariant<kHeadDim, kWith | Elementwise::kMask>(kp, f16, softcap, batch, stream);
-    }
-    if (feature == Elementwise::kBias) {
-      return LaunchVariant<kHeadDim, kWith | Elementwise::kBias>(kp, f16, softcap, batch, stream);
-    }
-    if (feature == Elementwise::kBiasWithGrad) {
-      return LaunchVariant<kHeadDim, kWith | Elementwise::kBiasWithGrad>(kp, f16, softcap, batch, stream);
-    }
+  if (feature == Elementwise::kMask) {
+    return LaunchVariant<kHeadDim, kWith | Elementwise::kMask>(kp, f16, softcap, batch, stream);
   }
-  return Status::Internal("hopper flash attention backward: no bias or mask kernel at head_dim " +
-                          std::to_string(kHeadDim));
+  if (feature == Elementwise::kBias) {
+    return LaunchVariant<kHeadDim, kWith | Elementwise::kBias>(kp, f16, softcap, batch, stream);
+  }
+  if (feature == Elementwise::kBiasWithGrad) {
+    return LaunchVariant<kHeadDim, kWith | Elementwise::kBiasWithGrad>(kp, f16, softcap, batch, stream);
+  }
+  return Status::Internal("hopper flash attention backward: not a bias or mask feature");
 }
 
 template <int kHeadDim>

@@ -26,8 +26,8 @@
 // Segment ids mask every key tile element-wise; given scratch, two small kernels first find,
 // per query tile, the first and last key tile whose ids meet its rows', and the tile visits
 // those and the ones between only (NarrowToSegments). A dense bias or attention mask (one of
-// them, head dims up to 128) comes as a [kBlockM x kBlockN] tile per key tile, loaded by TMA
-// with the tile's V and read by the softmax from shared memory.
+// them, or both folded into a bias) comes as a [kBlockM x kBlockN] tile per key tile, loaded
+// by TMA with the tile's V and read by the softmax from shared memory.
 //
 // Shared memory tiles are [rows][64] blocks of 128-byte rows in the 128-byte swizzle, one
 // block per 64 columns of the head dimension, as TMA writes them and wgmma reads them: Q and

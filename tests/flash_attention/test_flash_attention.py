@@ -215,7 +215,9 @@ CASES = [
     Case("tiles_mask_hopper_causal_f16_d128_sq<sk", dtype="float16", batch=1, seq_q=150, seq_k=400, q_heads=2,
          kv_heads=1, head_dim=128, causal=True, mask="B1"),
     # At d192 and d256 the Hopper forward takes 64-key tiles (a mask's tile reads half of a
-    # 128-key box); the backward runs on mma.sync. Folded operands and segment ids too.
+    # 128-key box), the backward loads each query tile's into its P^T buffer. Folded operands,
+    # segment ids, the bias's gradient (stores, sums over the batch or the heads), and
+    # deterministic mode too.
     Case("tiles_bias_hopper_causal_gqa_bf16_d256", dtype="bfloat16", batch=1, seq_q=300, seq_k=264, q_heads=4,
          kv_heads=2, head_dim=256, causal=True, bias="BH"),
     Case("tiles_mask_hopper_window_f16_d192", dtype="float16", batch=1, seq_q=333, seq_k=400, q_heads=2,
@@ -226,6 +228,10 @@ CASES = [
          kv_heads=2, head_dim=256, segments=True, sinks=True, mask="BH"),
     Case("tiles_bias_hopper_odd_keys_f16_d256", dtype="float16", batch=1, seq_q=99, seq_k=197, q_heads=2,
          kv_heads=1, head_dim=256, bias="11"),
+    Case("tiles_bias_hopper_mqa_window_f16_d192", dtype="float16", batch=2, seq_q=200, seq_k=136, q_heads=4,
+         kv_heads=1, head_dim=192, window=(60, 10), bias="B1"),
+    Case("tiles_bias_hopper_deterministic_softcap_bf16_d256", dtype="bfloat16", batch=1, seq_q=260, seq_k=136,
+         q_heads=2, kv_heads=1, head_dim=256, soft_cap=5.0, bias="BH", deterministic=True),
     # The same in deterministic mode (a broadcast bias's gradient runs on mma.sync there).
     Case("tiles_bias_hopper_deterministic_bf16_d128_causal", dtype="bfloat16", batch=2, seq_q=300, seq_k=264,
          q_heads=4, kv_heads=2, head_dim=128, causal=True, bias="BH", deterministic=True),

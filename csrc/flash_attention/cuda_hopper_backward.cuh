@@ -25,11 +25,10 @@
 // A dense bias or attention mask: each query tile's [kBlockM x kBlockN] tile of it comes by
 // TMA with the tile's Q (splitting queries, into the stage's P^T buffer), and the consumers
 // read their fragment's elements from shared memory (the bias into S^T before P^T, the mask
-// like the causal one). The bias's
-// gradient, where wanted, is dS^T, which each thread writes into dbias from registers (by
-// atomics where the bias broadcasts, so that several (batch, head) pairs add into an element).
-// With a soft cap the bias comes after it, and dbias is the logit's gradient before the cap's
-// derivative. Segment ids may come with either.
+// like the causal one). The bias's gradient, where wanted, is dS^T, which each thread writes
+// into dbias from registers (by atomics where the bias broadcasts, so that several (batch,
+// head) pairs add into an element). With a soft cap the bias comes after it, and dbias is the
+// logit's gradient before the cap's derivative. Segment ids may come with either.
 //
 // Segment ids: every query tile is masked element-wise, by its rows' ids (a bulk copy with the
 // tile's lse) against the thread's keys' ids (loaded once). A block skips the query tiles

@@ -51,7 +51,8 @@ class Case:
     varlen: bool = False  # pack `batch` sequences of random lengths into one row
     segments: int = 0  # segment ids: this many documents of random lengths in each row
     deterministic: bool = False  # the backward's bit-reproducible mode
-    # "bias": an additive [1, H, S, S] bias; "bias_bh": one of [B, H, S, S]; "mask": a boolean
+    # "bias": an additive [1, H, S, S] bias; "bias_bh": one of [B, H, S, S]; "bias_f32": the
+    # [1, H, S, S] bias in float32 (every implementation gets it as it is); "mask": a boolean
     # [B, 1, S, S] mask; "bias_mask": the [1, H, S, S] bias and a [1, 1, S, S] mask
     dense: str = ""
     dense_grad: bool = False  # forward+backward also differentiates the bias
@@ -115,6 +116,10 @@ def extra_cases() -> list[Case]:
         Case("bias_d256", 4, 4096, 8, 256, dense="bias"),
         Case("bias_d256", 4, 4096, 8, 256, causal=True, dense="bias"),
         Case("dbias_d256", 4, 4096, 8, 256, dense="bias", dense_grad=True),
+        # A float32 bias with bf16 inputs (the Hopper forward's float32 tile).
+        Case("bias_f32", 4, 4096, 16, 128, dense="bias_f32"),
+        Case("bias_f32", 4, 4096, 16, 128, causal=True, dense="bias_f32"),
+        Case("bias_f32_d64", 4, 4096, 32, 64, dense="bias_f32"),
         # A bias with a mask shared by every batch row and head.
         Case("bias_mask", 4, 4096, 16, 128, dense="bias_mask"),
         Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),
@@ -146,10 +151,11 @@ def _inputs(case: Case, rng: np.random.Generator):
 def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
     """The bias or mask, passed to every implementation as an argument (a closed-over array
     would be compiled in as a constant)."""
-    if case.dense in ("bias", "bias_bh"):
+    if case.dense in ("bias", "bias_bh", "bias_f32"):
         rows = case.batch if case.dense == "bias_bh" else 1
         shape = (rows, case.heads, case.seqlen, case.seqlen)
-        return (jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16),)
+        dtype = jnp.float32 if case.dense == "bias_f32" else jnp.bfloat16
+        return (jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)
     if case.dense == "mask":
         return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
     if case.dense == "bias_mask":
@@ -160,7 +166,8 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
 
 def _dense_kwargs(case: Case, dense: tuple, bias: str, mask: str) -> dict[str, Any]:
     """The dense inputs as keyword arguments named `bias` and `mask`."""
-    names = {"bias": (bias,), "bias_bh": (bias,), "mask": (mask,), "bias_mask": (bias, mask)}.get(case.dense, ())
+    names = {"bias": (bias,), "bias_bh": (bias,), "bias_f32": (bias,), "mask": (mask,), "bias_mask": (bias, mask)}.get(
+        case.dense, ())
     return dict(zip(names, dense))
 
 

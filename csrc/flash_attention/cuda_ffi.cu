@@ -84,9 +84,9 @@ size_t ForwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::Forwar
 }
 size_t BackwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool dropout,
                               bool deterministic) {
-  const size_t hopper = HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok()
-                            ? BackwardHopperScratchBytes(dims, call, deterministic)
-                            : 0;
+  const bool hopper_takes = HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok() &&
+                           hopper::BackwardDenseUnsupportedReason(call).empty();
+  const size_t hopper = hopper_takes ? BackwardHopperScratchBytes(dims, call, deterministic) : 0;
   return std::max(hopper, BackwardMmaScratchBytes(dims, deterministic));
 }
 
@@ -209,7 +209,9 @@ hopper::ForwardCall ForwardCallOfSignature(const nlohmann::json& signature) {
   call.segment_ids = HasFeature(signature, "segment_ids");
   call.bias = HasFeature(signature, "bias");
   call.mask = HasFeature(signature, "attention_mask");
-  call.bias_dtype_matches = signature.value("bias_dtype", dtype_name) == dtype_name;
+  const std::string bias_dtype = signature.value("bias_dtype", dtype_name);
+  call.bias_f32 = call.bias && bias_dtype != dtype_name;
+  call.bias_converts = call.bias_f32 && bias_dtype != "float32";
   int64_t bias_batch, bias_heads, mask_batch, mask_heads;
   BroadcastDims(signature, "bias_shape", &bias_batch, &bias_heads);
   BroadcastDims(signature, "mask_shape", &mask_batch, &mask_heads);

@@ -330,7 +330,9 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   }
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
-    if (std::string why = hopper::DenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) return no(why);
+    if (std::string why = hopper::BackwardDenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) {
+      return no(why);
+    }
     if (p.deterministic && p.dbias.present() && p.dbias.dim(1) != dims.num_q_heads) {
       return no("deterministic mode with the gradient of a bias broadcast over the heads is not supported");
     }

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "flash_attention/cuda_hopper_forward.cuh"
 
@@ -72,8 +73,8 @@ Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtens
 
 namespace {
 
-// A bias (bf16/f16) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb) with
-// boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle.
+// A bias (bf16/f16/f32) or mask (bytes) [Bb, Hb, Sq, Sk] as a 4-d TMA map (Sk, Sq, Hb, Bb)
+// with boxes of 128 bytes x box_rows x 1 x 1 in the 128-byte swizzle.
 Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
   if (encode == nullptr) return Status::Internal("hopper flash attention: cuTensorMapEncodeTiled unavailable");
@@ -87,6 +88,7 @@ Status MakeDenseTensorMap(const TensorView& t, int box_rows, const char* name, C
   const cuuint32_t element_stride[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type = t.dtype == DType::kF16    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                    : t.dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : t.dtype == DType::kF32  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                                              : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const CUresult r = encode(map, type, 4, t.data, global_dim, global_stride, box, element_stride,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -293,13 +295,26 @@ __global__ void __launch_bounds__(kFoldThreads) FoldBiasAndMaskKernel(
   }
 }
 
-// Any row length (a bias or mask alone, or rows not whole 16-byte units): one element per
-// thread and step, into rows of `row` elements (the padding past seqlen_k gets 0); rows of a
-// plane go by blockIdx.x. A null bias is 0; a null mask keeps everything. Strides in elements.
+// An element of a bias as the folded bias holds it: the same 16 bits (In = Out = uint16_t), or
+// converted to float32.
+template <class Out, class In>
+__device__ __forceinline__ Out FoldedElement(In v) {
+  if constexpr (std::is_same_v<In, Out>) {
+    return v;
+  } else {
+    return static_cast<Out>(v);
+  }
+}
+
+// Any row length or dtype (a bias or mask alone, rows not whole 16-byte units, a bias converted
+// to float32): one element per thread and step, into rows of `row` elements (the padding past
+// seqlen_k gets 0); rows of a plane go by blockIdx.x. A null bias is 0; a null mask keeps
+// everything. Strides in elements.
+template <class In, class Out>
 __global__ void __launch_bounds__(kFoldThreads) FoldRowsKernel(
-    const uint16_t* bias, const uint8_t* mask, uint16_t* out, int32_t seqlen_q, int32_t seqlen_k, int32_t row,
+    const In* bias, const uint8_t* mask, Out* out, int32_t seqlen_q, int32_t seqlen_k, int32_t row,
     int64_t bias_batch_stride, int64_t bias_head_stride, int64_t mask_batch_stride, int64_t mask_head_stride,
-    int32_t batch, int32_t heads, uint16_t neg_inf) {
+    int32_t batch, int32_t heads, Out neg_inf) {
   for (int32_t b = blockIdx.z; b < batch; b += gridDim.z) {
     for (int32_t h = blockIdx.y; h < heads; h += gridDim.y) {
       const int64_t out_plane = (static_cast<int64_t>(b) * heads + h) * seqlen_q * row;
@@ -307,9 +322,9 @@ __global__ void __launch_bounds__(kFoldThreads) FoldRowsKernel(
         const int64_t bias_row = b * bias_batch_stride + h * bias_head_stride + static_cast<int64_t>(i) * seqlen_k;
         const int64_t mask_row = b * mask_batch_stride + h * mask_head_stride + static_cast<int64_t>(i) * seqlen_k;
         for (int32_t j = threadIdx.x; j < row; j += kFoldThreads) {
-          uint16_t v = 0;
+          Out v = 0;
           if (j < seqlen_k) {
-            if (bias != nullptr) v = bias[bias_row + j];
+            if (bias != nullptr) v = FoldedElement<Out>(bias[bias_row + j]);
             if (mask != nullptr && mask[mask_row + j] == 0) v = neg_inf;
           }
           out[out_plane + static_cast<int64_t>(i) * row + j] = v;
@@ -325,7 +340,7 @@ Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* ou
                        TensorView* folded) {
   const TensorView& bias = p.bias;
   const TensorView& mask = p.mask;
-  if (call.folded_batch == 0 || (bias.present() && bias.dtype != p.q.dtype) ||
+  if (call.folded_batch == 0 || (bias.present() && (bias.dtype != p.q.dtype) != call.bias_f32) ||
       (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16) || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
     return Status::InvalidArgument("hopper flash attention: this bias or mask does not fold (PlanFold)");
   }
@@ -340,7 +355,30 @@ Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* ou
                     static_cast<unsigned>(std::min<int64_t>(call.folded_batch, 65535)));
   const uint16_t neg_inf = p.q.dtype == DType::kF16 ? 0xfc00u : 0xff80u;  // -inf in f16 / bf16
   int64_t bias_b, bias_h, mask_b, mask_h;
-  if (bias.present() && mask.present() && call.seqlen_k % 8 == 0) {
+  const auto fold_rows = [&](auto in, auto folded_out, auto folded_neg_inf) {
+    strides(bias, 1, &bias_b, &bias_h);
+    strides(mask, 1, &mask_b, &mask_h);
+    dim3 grid = planes;
+    grid.x = static_cast<unsigned>(std::clamp<int64_t>(call.seqlen_q, 1, INT32_MAX));
+    FoldRowsKernel<<<grid, kFoldThreads, 0, stream>>>(
+        bias.present() ? static_cast<decltype(in)>(bias.data) : nullptr,
+        mask.present() ? static_cast<const uint8_t*>(mask.data) : nullptr, folded_out,
+        static_cast<int32_t>(call.seqlen_q), static_cast<int32_t>(call.seqlen_k), static_cast<int32_t>(row), bias_b,
+        bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch), static_cast<int32_t>(call.folded_heads),
+        folded_neg_inf);
+  };
+  if (call.bias_f32) {
+    float* folded_out = static_cast<float*>(out);
+    switch (bias.dtype) {
+      case DType::kF32: fold_rows(static_cast<const float*>(nullptr), folded_out, -INFINITY); break;
+      case DType::kF64: fold_rows(static_cast<const double*>(nullptr), folded_out, -INFINITY); break;
+      case DType::kBF16: fold_rows(static_cast<const __nv_bfloat16*>(nullptr), folded_out, -INFINITY); break;
+      case DType::kF16: fold_rows(static_cast<const __half*>(nullptr), folded_out, -INFINITY); break;
+      default:
+        return Status::InvalidArgument(std::string("hopper flash attention: no fold for a bias of dtype ") +
+                                       DTypeName(bias.dtype));
+    }
+  } else if (bias.present() && mask.present() && call.seqlen_k % 8 == 0) {
     // Whole 16-byte chunks.
     const int64_t unit = 8, plane_chunks = call.seqlen_q * call.seqlen_k / unit;
     strides(bias, unit, &bias_b, &bias_h);
@@ -354,22 +392,14 @@ Status FoldBiasAndMask(const ForwardParams& p, const ForwardCall& call, void* ou
         plane_chunks, bias_b, bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch),
         static_cast<int32_t>(call.folded_heads), neg_inf);
   } else {
-    strides(bias, 1, &bias_b, &bias_h);
-    strides(mask, 1, &mask_b, &mask_h);
-    dim3 grid = planes;
-    grid.x = static_cast<unsigned>(std::clamp<int64_t>(call.seqlen_q, 1, INT32_MAX));
-    FoldRowsKernel<<<grid, kFoldThreads, 0, stream>>>(
-        bias.present() ? static_cast<const uint16_t*>(bias.data) : nullptr,
-        mask.present() ? static_cast<const uint8_t*>(mask.data) : nullptr, static_cast<uint16_t*>(out),
-        static_cast<int32_t>(call.seqlen_q), static_cast<int32_t>(call.seqlen_k), static_cast<int32_t>(row), bias_b,
-        bias_h, mask_b, mask_h, static_cast<int32_t>(call.folded_batch), static_cast<int32_t>(call.folded_heads),
-        neg_inf);
+    fold_rows(static_cast<const uint16_t*>(nullptr), static_cast<uint16_t*>(out), neg_inf);
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return Status::Internal(std::string("hopper flash attention: bias and mask fold launch failed: ") +
                             cudaGetErrorString(err));
   }
-  TensorView view = TensorView::Contiguous(out, p.q.dtype, {call.folded_batch, call.folded_heads, call.seqlen_q, row});
+  TensorView view = TensorView::Contiguous(out, call.bias_f32 ? DType::kF32 : p.q.dtype,
+                                           {call.folded_batch, call.folded_heads, call.seqlen_q, row});
   view.shape[3] = call.seqlen_k;  // the padding is past the last key
   *folded = view;
   return Status::Ok();

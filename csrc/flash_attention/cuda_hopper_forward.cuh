@@ -70,18 +70,21 @@ struct TileConstants {
 
 // The per-element features a kernel reads with each tile (a template parameter), as flags:
 // segment ids (the keys' ids), a dense bias or attention mask ([kBlockM x kBlockN] tile), or
-// segment ids with one of those; kBiasWithGrad, backward kernels only: a bias whose gradient
-// the kernel also writes. Every combination a kernel is built for has a name: nvcc's host stubs
-// spell a kernel's enum template arguments by their enumerators.
+// segment ids with one of those; kBiasF32, forward kernels only: a float32 bias with bf16/f16
+// inputs; kBiasWithGrad, backward kernels only: a bias whose gradient the kernel also writes.
+// Every combination a kernel is built for has a name: nvcc's host stubs spell a kernel's enum
+// template arguments by their enumerators.
 enum class Elementwise : unsigned {
   kNone = 0,
   kSegmentIds = 1,
   kBias = 2,
   kMask = 4,
   kBiasWithGrad = 8 | kBias,
+  kBiasF32 = 16 | kBias,
   kSegmentIdsBias = kSegmentIds | kBias,
   kSegmentIdsMask = kSegmentIds | kMask,
   kSegmentIdsBiasWithGrad = kSegmentIds | kBiasWithGrad,
+  kSegmentIdsBiasF32 = kSegmentIds | kBiasF32,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
   return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -94,15 +97,16 @@ constexpr bool HasDense(Elementwise features) {
   return Has(features, Elementwise::kBias) || Has(features, Elementwise::kMask);
 }
 
-// A bias (bf16/f16) or mask (bytes) tile of kRows x kKeys in shared memory (none for other
-// features): [kRows][128 bytes] blocks of kBlockKeys keys in the 128-byte swizzle, as TMA
+// A bias (bf16/f16, or f32) or mask (bytes) tile of kRows x kKeys in shared memory (none for
+// other features): [kRows][128 bytes] blocks of kBlockKeys keys in the 128-byte swizzle, as TMA
 // writes them from DenseOperand::map. The forward's are per key tile, the backward's per
 // query tile. A mask tile of 64 keys takes a whole 128-key block and reads its first half.
 template <Elementwise kFeature, int kRows, int kKeys>
 struct DenseTile {
   static constexpr bool kBias = Has(kFeature, Elementwise::kBias);
+  static constexpr bool kBiasF32 = Has(kFeature, Elementwise::kBiasF32);
   static constexpr bool kPresent = HasDense(kFeature);
-  static constexpr int kBlockKeys = kBias ? 64 : 128;
+  static constexpr int kBlockKeys = kBiasF32 ? 32 : kBias ? 64 : 128;
   static constexpr int kBlockBytes = kRows * 128;
   static constexpr int kBlocks = kPresent ? (kKeys + kBlockKeys - 1) / kBlockKeys : 0;
   static constexpr int kBytes = kBlocks * kBlockBytes;
@@ -1036,7 +1040,17 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
           for (int r = 0; r < 2; ++r) {
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j) {
-              if constexpr (L::Dense::kBias) {
+              if constexpr (L::Dense::kBiasF32) {
+                // Keys 8j + 2t, +1: 8 bytes of 16-byte chunk 2 (j % 4) + t / 2 of block j / 4.
+                float2 bias;
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                             : "=f"(bias.x), "=f"(bias.y)
+                             : "r"(tile + r * 8 * 128 + (j / 4) * L::Dense::kBlockBytes +
+                                   (((2 * (j % 4) + t4 / 2) ^ g) * 16) + 8 * (t4 % 2))
+                             : "memory");
+                s[4 * j + 2 * r] = fmaf(bias.x, p.dense.bias_to_score, s[4 * j + 2 * r]);
+                s[4 * j + 2 * r + 1] = fmaf(bias.y, p.dense.bias_to_score, s[4 * j + 2 * r + 1]);
+              } else if constexpr (L::Dense::kBias) {
                 // Keys 8j + 2t, +1: 16-byte chunk j % 8 of block j / 8.
                 uint32_t pair;
                 asm volatile("ld.shared.b32 %0, [%1];\n"
@@ -1442,7 +1456,8 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
 
 // Launches the tile ChooseForwardTile picks for the call. The shapes built for calls of this
 // kind are ForwardTiles' (cuda_tiles.h): d64's two, d96/d128's 176-key tile for unmasked calls
-// without a soft cap besides the 128-key one, kTileDense for a bias or mask, and one otherwise.
+// without a soft cap besides the 128-key one, kTileDense for a bias or mask (kTileDenseNarrow
+// above d128, and for a float32 bias at d96/d128), and one otherwise.
 template <int kHeadDim, bool kMasked, bool kF16, bool kSoftcap, Elementwise kFeature>
 Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   const ForwardTile tile = ChooseForwardTile(ForwardCallOf(args.p, args.dims), cfg);
@@ -1462,7 +1477,12 @@ Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
       }
     }
   } else if constexpr (kHeadDim == 96 || kHeadDim == 128) {
-    if constexpr (HasDense(kFeature)) {
+    if constexpr (Has(kFeature, Elementwise::kBiasF32)) {
+      if (tile == kTileDenseNarrow) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileDenseNarrow>, kMasked, kF16, kSoftcap, kFeature>(args,
+                                                                                                          stream);
+      }
+    } else if constexpr (HasDense(kFeature)) {
       if (tile == kTileDense) {
         return LaunchConfig<kHeadDim, TileConstants<kTileDense>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
       }
@@ -1479,8 +1499,9 @@ Status LaunchKernel(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
   } else {
     static_assert(kHeadDim == 192 || kHeadDim == 256, "head dims 64, 96, 128, 192 and 256");
     if constexpr (HasDense(kFeature)) {
-      if (tile == kTileDenseD256) {
-        return LaunchConfig<kHeadDim, TileConstants<kTileDenseD256>, kMasked, kF16, kSoftcap, kFeature>(args, stream);
+      if (tile == kTileDenseNarrow) {
+        return LaunchConfig<kHeadDim, TileConstants<kTileDenseNarrow>, kMasked, kF16, kSoftcap, kFeature>(args,
+                                                                                                          stream);
       }
     } else if constexpr (kHeadDim == 192) {
       if (tile == kTileD192) {
@@ -1525,8 +1546,25 @@ Status LaunchSegments(const CudaForwardArgs& args, const CudaConfig& cfg, cudaSt
   return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIds>(args, cfg, stream);
 }
 
-// Calls with a bias or an attention mask (DenseUnsupportedReason: one of them, or both folded
-// into a bias); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
+// Calls with a float32 bias and bf16/f16 inputs (DenseUnsupportedReason: up to head dim 192),
+// with or without segment ids; instantiated per head dim in cuda_hopper_forward_bias_f32_hdim*.cu.
+template <int kHeadDim>
+Status LaunchBiasF32(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  static_assert(kHeadDim <= 192, "a float32 bias tile does not fit beside d256's tiles");
+  if (args.p.q_segment_ids.present()) {
+    if constexpr (kSegmentIdsBuilt) {
+      return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIdsBiasF32>(args, cfg, stream);
+    } else {
+      return FeatureNotBuilt("segment_ids");
+    }
+  }
+  return CausalOrWindow(ForwardCallOf(args.p, args.dims))
+             ? LaunchMasked<kHeadDim, true, Elementwise::kBiasF32>(args, cfg, stream)
+             : LaunchMasked<kHeadDim, false, Elementwise::kBiasF32>(args, cfg, stream);
+}
+
+// Calls with a bias of the query's dtype or an attention mask (DenseUnsupportedReason: one of
+// them, or both folded into a bias); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
@@ -1550,6 +1588,14 @@ Status LaunchSegmentsDense(const CudaForwardArgs& args, const CudaConfig& cfg, c
 
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  // A bias of another dtype than the query's arrives here as float32 (folded where it was not).
+  if (args.p.bias.present() && args.p.bias.dtype == DType::kF32) {
+    if constexpr (kHeadDim <= 192) {
+      return LaunchBiasF32<kHeadDim>(args, cfg, stream);
+    } else {
+      return Status::Internal("hopper flash attention: no float32 bias kernel at head_dim 256");
+    }
+  }
   if (args.p.q_segment_ids.present()) {
     if constexpr (kSegmentIdsBuilt) {
       if (args.p.bias.present() || args.p.mask.present()) return LaunchSegmentsDense<kHeadDim>(args, cfg, stream);

@@ -57,7 +57,8 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   c.segment_ids = p.q_segment_ids.present();
   c.bias = p.bias.present();
   c.mask = p.mask.present();
-  c.bias_dtype_matches = !c.bias || p.bias.dtype == p.q.dtype;
+  c.bias_f32 = c.bias && p.bias.dtype != p.q.dtype;
+  c.bias_converts = c.bias_f32 && p.bias.dtype != DType::kF32;
   PlanFold(p.bias.dim(0), p.bias.dim(1), p.mask.dim(0), p.mask.dim(1), &c);  // an absent one's dims are ignored
   return c;
 }
@@ -74,8 +75,8 @@ void FoldedShape(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int
 void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads, ForwardCall* c) {
   c->folded_batch = c->folded_heads = 0;
   c->fold_per_row = false;
-  const bool folds = (c->bias && c->mask) || (c->bias && c->seqlen_k % 8 != 0) ||
-                     (c->mask && !c->bias && c->seqlen_k % 16 != 0);
+  const bool folds = (c->bias && c->mask) || (c->bias && c->seqlen_k % (c->bias_f32 ? 4 : 8) != 0) ||
+                     c->bias_converts || (c->mask && !c->bias && c->seqlen_k % 16 != 0);
   if (!folds) return;
   if (!c->bias) bias_batch = bias_heads = 1;
   if (!c->mask) mask_batch = mask_heads = 1;
@@ -86,20 +87,29 @@ void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_
 int64_t FoldedRowElements(int64_t seqlen_k) { return (seqlen_k + 7) / 8 * 8; }
 
 size_t FoldedBiasBytes(const ForwardCall& c) {
-  return static_cast<size_t>(c.folded_batch * c.folded_heads * c.seqlen_q * FoldedRowElements(c.seqlen_k)) * 2;
+  return static_cast<size_t>(c.folded_batch * c.folded_heads * c.seqlen_q * FoldedRowElements(c.seqlen_k)) *
+         (c.bias_f32 ? 4 : 2);
 }
 
 std::string DenseUnsupportedReason(const ForwardCall& c) {
   if (!c.bias && !c.mask) return "";
   // A tile's first key must start 16 bytes into a row (TMA), which a sequence's need not.
   if (c.varlen) return "bias or mask with packed sequences is not supported";
-  if (c.bias && !c.bias_dtype_matches) return "the bias dtype must be the query's";
+  if (c.bias_f32 && c.head_dim > 192) {
+    return "a bias of another dtype than the query's (read as float32) does not fit shared memory at head_dim " +
+           std::to_string(c.head_dim);
+  }
   // Rows of the tensor map the kernels read are whole 16-byte units, else the call folds.
-  const bool rows_whole = c.seqlen_k % (c.bias ? 8 : 16) == 0;
-  if ((c.bias && c.mask) || !rows_whole) {
+  const bool rows_whole = c.seqlen_k % (c.bias ? (c.bias_f32 ? 4 : 8) : 16) == 0;
+  if ((c.bias && c.mask) || c.bias_converts || !rows_whole) {
     if (c.folded_batch == 0) return "a bias or mask that needs folding, of unknown shapes";
   }
   return "";
+}
+
+std::string BackwardDenseUnsupportedReason(const ForwardCall& c) {
+  if (c.bias_f32) return "the bias dtype must be the query's";
+  return DenseUnsupportedReason(c);
 }
 
 void WindowSides(const ForwardCall& c, int* left, int* right) {
@@ -129,18 +139,18 @@ std::vector<ForwardTile> ForwardTiles(const ForwardCall& c) {
   const bool dense = c.bias || c.mask;
   switch (c.head_dim) {
     case 64:
-      if (dense) return {kTileDense};
+      if (dense) return {kTileDense};  // a float32 bias too
       if (c.segment_ids) return {kTileD64};
       if (masked && short_call) return {kTileD64Pairs, kTileD64};
       return {kTileD64, kTileD64Pairs};
     case 96:
     case 128:
-      if (dense) return {kTileDense};
+      if (dense) return {c.bias_f32 ? kTileDenseNarrow : kTileDense};
       if (masked || c.soft_cap) return {kTileD128};
       if (short_call) return {kTileD128, kTileD128Wide};
       return {kTileD128Wide, kTileD128};
-    case 192: return {dense ? kTileDenseD256 : kTileD192};
-    case 256: return {dense ? kTileDenseD256 : kTileD256};
+    case 192: return {dense ? kTileDenseNarrow : kTileD192};
+    case 256: return {dense ? kTileDenseNarrow : kTileD256};
     default: return {};
   }
 }

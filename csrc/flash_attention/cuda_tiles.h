@@ -96,7 +96,9 @@ struct ForwardTile {
 //   memory with K and V, two stages of all three; at d96/d128 that leaves room for one Q slot
 //   (a bias) or two (a mask). d192 and d256 take 64-key tiles: at d256 one Q slot (64 KB),
 //   two stages of K and V (128 KB) and of the tile (a bias's 16 KB, or a mask's 128-key box
-//   of which the tile reads half) fill 224 KB.
+//   of which the tile reads half) fill 224 KB. A float32 bias (a bias whose dtype is not the
+//   query's) doubles the tile: d64 keeps 128-key tiles (2 x 64 KB of bias, 224 KB in all),
+//   d96 to d192 take 64-key ones (at d192 one Q slot, 208 KB), and at d256 it does not fit.
 inline constexpr ForwardTile kTileD64 = {3, 128, 4, 0};
 inline constexpr ForwardTile kTileD64Pairs = {2, 128, 4, 8};
 inline constexpr ForwardTile kTileD128Wide = {2, 176, 2, 0};
@@ -104,7 +106,7 @@ inline constexpr ForwardTile kTileD128 = {2, 128, 2, 16};
 inline constexpr ForwardTile kTileD192 = {2, 112, 2, 0};
 inline constexpr ForwardTile kTileD256 = {2, 80, 2, 0};
 inline constexpr ForwardTile kTileDense = {2, 128, 2, 0};
-inline constexpr ForwardTile kTileDenseD256 = {2, 64, 2, 0};
+inline constexpr ForwardTile kTileDenseNarrow = {2, 64, 2, 0};
 // Calls of at most this many queries and keys (no band, no packed sequences) are short: their
 // tiles' start-up and epilogue weigh more.
 inline constexpr int64_t kShortSeqlen = 1024;
@@ -119,7 +121,9 @@ struct ForwardCall {
   bool soft_cap = false;
   bool segment_ids = false;
   bool bias = false, mask = false;  // a dense bias / attention mask ([B|1, H|1, Sq, Sk])
-  bool bias_dtype_matches = true;   // the bias has the query's dtype
+  // The kernels read the bias as float32: its dtype is not the query's. bias_converts: nor is it
+  // float32 (the fold converts it).
+  bool bias_f32 = false, bias_converts = false;
   // Where the kernels read a folded bias (PlanFold): its batch and head dims (0: no fold), and
   // whether the call runs one batch row at a time.
   int64_t folded_batch = 0, folded_heads = 0;
@@ -128,11 +132,13 @@ struct ForwardCall {
 
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d);
 
-// The Hopper kernels read one dense operand of the query's dtype whose rows are whole 16-byte
-// units (a tensor map's strides). Other calls reach them with a folded bias, written to the
-// workspace before each direction: mask ? bias : -inf (0 for the bias of a mask alone; the
-// kernels treat -inf exactly like the mask), in rows padded to a multiple of 8 elements. That
-// is a bias with a mask, a bias whose seqlen_k is not a multiple of 8, and a mask whose
+// The Hopper kernels read one dense operand whose rows are whole 16-byte units (a tensor map's
+// strides): a bias of the query's dtype or of float32, or a mask. Other calls reach them with a
+// folded bias, written to the workspace before each direction: mask ? bias : -inf (0 for the
+// bias of a mask alone; the kernels treat -inf exactly like the mask), in rows padded to a
+// multiple of 8 elements, of the bias's dtype (float32 for a 16-bit bias of the other 16-bit
+// type, or a float64 one). That is a bias with a mask, a bias of another dtype than the query's
+// or float32, a bias whose seqlen_k is not a multiple of 8 (4 for float32), and a mask whose
 // seqlen_k is not a multiple of 16. The folded bias is never larger than the larger operand:
 // where one's batch and head dims cover the other's the whole call folds at once; where their
 // broadcasts cross ([1, H] with [B, 1]) the call runs one batch row at a time, each folded
@@ -145,15 +151,17 @@ void FoldedShape(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int
 void PlanFold(int64_t bias_batch, int64_t bias_heads, int64_t mask_batch, int64_t mask_heads, ForwardCall* c);
 // Elements per row of a folded bias: seqlen_k rounded up to a multiple of 8.
 int64_t FoldedRowElements(int64_t seqlen_k);
-// Bytes of a call's folded bias (16-bit elements; one batch row's where it runs per row), 0 for
-// calls without one.
+// Bytes of a call's folded bias (one batch row's where it runs per row), 0 for calls without
+// one.
 size_t FoldedBiasBytes(const ForwardCall& c);
 
 // Why the Hopper forward does not take this call's bias or attention mask, "" when it does (or
-// the call has neither). It takes a bias of the query's dtype, a mask, or both (folded where
-// needed, PlanFold), not with packed sequences, with or without segment ids. The Hopper
-// backward adds its own rules (HopperBackwardSupports).
+// the call has neither). It takes a bias, a mask, or both (folded where needed, PlanFold), not
+// with packed sequences, with or without segment ids; a float32 bias up to head dim 192.
 std::string DenseUnsupportedReason(const ForwardCall& c);
+// The same for the Hopper backward, which also needs the bias in the query's dtype;
+// HopperBackwardSupports adds the rules that depend on the gradients asked for.
+std::string BackwardDenseUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff
 // i + offset - left <= j < i + offset + right + 1. Sides beyond Sq + Sk hide nothing and are
@@ -170,8 +178,8 @@ bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k)
 // The tiles the Hopper forward can run this call with, the default (the rule above, tuned on
 // H100) first, then the alternatives built and tested for calls of its kind: d64 without
 // segment ids, two warpgroups or three; d96/d128 without masks, soft cap or segment ids,
-// 128-key tiles or 176; a bias or mask, kTileDense (kTileDenseD256 at d192/d256). Empty for a
-// head dim without Hopper kernels.
+// 128-key tiles or 176; a bias or mask, kTileDense (kTileDenseNarrow at d192/d256, and for a
+// float32 bias from d96). Empty for a head dim without Hopper kernels.
 std::vector<ForwardTile> ForwardTiles(const ForwardCall& c);
 // The first of ForwardTiles(c) that `requested` names (Requests), else the default.
 ForwardTile ChooseForwardTile(const ForwardCall& c, const CudaConfig& requested);

@@ -101,7 +101,7 @@ TEST(HopperForwardTiles, ConfigNamesTheTile) {
   EXPECT_EQ(hopper::kTileD192.config(), (CudaConfig{128, 112, 12, 2}));
   EXPECT_EQ(hopper::kTileD256.config(), (CudaConfig{128, 80, 12, 2}));
   EXPECT_EQ(hopper::kTileDense.config(), (CudaConfig{128, 128, 12, 2}));
-  EXPECT_EQ(hopper::kTileDenseD256.config(), (CudaConfig{128, 64, 12, 2}));
+  EXPECT_EQ(hopper::kTileDenseNarrow.config(), (CudaConfig{128, 64, 12, 2}));
   EXPECT_EQ(hopper::ToString(hopper::kTileD128Wide), "128x176 (2 consumer warpgroups, 2 stages)");
 }
 
@@ -123,7 +123,7 @@ TEST(CudaTiles, NoConfigNamesTilesOfBothGenerations) {
   // the other's default rather than some unrelated tile of it.
   const Tiles hopper_tiles = {hopper::kTileD64,  hopper::kTileD64Pairs, hopper::kTileD128Wide,
                               hopper::kTileD128, hopper::kTileD192,     hopper::kTileD256,
-                              hopper::kTileDense, hopper::kTileDenseD256};
+                              hopper::kTileDense, hopper::kTileDenseNarrow};
   for (int64_t head_dim : {64, 96, 128, 192, 256}) {
     const std::vector<CudaConfig> mma = MmaForwardTiles(head_dim, false);
     ASSERT_FALSE(mma.empty()) << head_dim;
@@ -160,7 +160,7 @@ ForwardCall WithMask(ForwardCall c) { return c.mask = true, c; }
 
 TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTile) {
   for (int64_t head_dim : {64, 96, 128, 192, 256}) {
-    const Tiles dense{head_dim > 128 ? hopper::kTileDenseD256 : hopper::kTileDense};
+    const Tiles dense{head_dim > 128 ? hopper::kTileDenseNarrow : hopper::kTileDense};
     EXPECT_EQ(ForwardTiles(WithBias(Call(head_dim, 4096, 4096))), dense) << head_dim;
     EXPECT_EQ(ForwardTiles(Causal(WithMask(Call(head_dim, 512, 512)))), dense) << head_dim;
     EXPECT_EQ(hopper::DenseUnsupportedReason(WithBias(Call(head_dim, 300, 264))), "");
@@ -175,6 +175,54 @@ TEST(HopperForwardTiles, BiasOrMaskTakesTheDenseTile) {
     EXPECT_EQ(ForwardTiles(segments), dense) << head_dim;
   }
   EXPECT_EQ(hopper::DenseUnsupportedReason(Call(256, 300, 300)), "");  // neither
+}
+
+// The call with a bias of another dtype than the query's: float32, or a 16-bit one converted.
+ForwardCall WithBiasF32(ForwardCall c, bool converts = false) {
+  c.bias = c.bias_f32 = true;
+  c.bias_converts = converts;
+  return c;
+}
+
+// A float32 bias doubles the tile's bytes: d64 keeps 128-key tiles, d96 to d192 take 64-key
+// ones, and d256 has no room for it. The backward does not take it.
+TEST(HopperForwardTiles, Float32BiasTakesATileWithRoomForIt) {
+  EXPECT_EQ(ForwardTiles(WithBiasF32(Call(64, 4096, 4096))), (Tiles{hopper::kTileDense}));
+  for (int64_t head_dim : {96, 128, 192}) {
+    const ForwardCall f32 = WithBiasF32(Call(head_dim, 300, 260));  // rows of whole 16-byte units
+    EXPECT_EQ(hopper::DenseUnsupportedReason(f32), "") << head_dim;
+    EXPECT_EQ(ForwardTiles(f32), (Tiles{hopper::kTileDenseNarrow})) << head_dim;
+    EXPECT_EQ(ForwardTiles(Causal(f32)), (Tiles{hopper::kTileDenseNarrow})) << head_dim;
+    EXPECT_NE(hopper::BackwardDenseUnsupportedReason(f32).find("dtype"), std::string::npos) << head_dim;
+  }
+  EXPECT_NE(hopper::DenseUnsupportedReason(WithBiasF32(Call(256, 300, 260))).find("shared memory"),
+            std::string::npos);
+  EXPECT_EQ(hopper::BackwardDenseUnsupportedReason(WithBias(Call(128, 300, 264))), "");
+}
+
+// A bias is read as it is where the kernels can: float32 rows of a multiple of 4 elements,
+// 16-bit ones of 8. Any other dtype (f16 with bf16 inputs, float64) folds into float32.
+TEST(HopperForwardTiles, Float32BiasFoldsWhereItMust) {
+  const auto planned = [](ForwardCall c) {
+    hopper::PlanFold(2, 3, 1, 1, &c);
+    return c;
+  };
+  EXPECT_EQ(planned(WithBiasF32(Call(128, 300, 260))).folded_batch, 0);
+  const ForwardCall odd = planned(WithBiasF32(Call(128, 300, 258)));
+  EXPECT_EQ(odd.folded_batch, 2);
+  EXPECT_EQ(odd.folded_heads, 3);
+  EXPECT_EQ(hopper::FoldedBiasBytes(odd), size_t{2 * 3 * 300 * 264 * 4});
+  const ForwardCall converted = planned(WithBiasF32(Call(128, 300, 256), /*converts=*/true));
+  EXPECT_EQ(converted.folded_batch, 2);
+  EXPECT_EQ(hopper::FoldedBiasBytes(converted), size_t{2 * 3 * 300 * 256 * 4});
+  EXPECT_EQ(hopper::DenseUnsupportedReason(converted), "");
+  // Unplanned, a conversion cannot be made.
+  EXPECT_NE(hopper::DenseUnsupportedReason(WithBiasF32(Call(128, 300, 256), true)).find("unknown shapes"),
+            std::string::npos);
+  ForwardCall with_mask = WithMask(WithBiasF32(Call(96, 300, 256)));
+  hopper::PlanFold(1, 3, 2, 1, &with_mask);  // crossed broadcasts: per row
+  EXPECT_TRUE(with_mask.fold_per_row);
+  EXPECT_EQ(hopper::FoldedBiasBytes(with_mask), size_t{3 * 300 * 256 * 4});
 }
 
 // A bias and a mask fold into one bias: at once where one's batch and head dims cover the
@@ -216,9 +264,6 @@ TEST(HopperForwardTiles, BiasAndMaskFoldIntoOneBias) {
 TEST(HopperForwardTiles, BiasOrMaskTheDenseTileCannotTakeSaysWhy) {
   const auto reason = [](ForwardCall c) { return hopper::DenseUnsupportedReason(c); };
   EXPECT_NE(reason(WithMask(WithBias(Call(128, 256, 256)))).find("unknown shapes"), std::string::npos);
-  ForwardCall f32_bias = WithBias(Call(64, 256, 256));
-  f32_bias.bias_dtype_matches = false;
-  EXPECT_NE(reason(f32_bias).find("dtype"), std::string::npos);
   ForwardCall packed = WithBias(Call(64, 256, 256));
   packed.varlen = true;
   EXPECT_NE(reason(packed).find("packed sequences"), std::string::npos);
@@ -282,7 +327,7 @@ TEST(HopperForwardCall, FromParams) {
   p.bias = TensorView::Contiguous(bias_data, DType::kBF16, {1, 1, 1, 1});
   p.mask = TensorView::Contiguous(mask_data, DType::kBool, {1, 1, 1, 1});
   ForwardCall dense = hopper::ForwardCallOf(p, d);
-  EXPECT_TRUE(dense.bias && dense.mask && dense.bias_dtype_matches);
+  EXPECT_TRUE(dense.bias && dense.mask && !dense.bias_f32 && !dense.bias_converts);
   EXPECT_EQ(dense.folded_batch, 1);
   EXPECT_EQ(dense.folded_heads, 1);
   EXPECT_FALSE(dense.fold_per_row);
@@ -295,7 +340,10 @@ TEST(HopperForwardCall, FromParams) {
   EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_batch, 3);
   EXPECT_EQ(hopper::ForwardCallOf(p, d).folded_heads, 5);
   p.bias.dtype = DType::kF16;
-  EXPECT_FALSE(hopper::ForwardCallOf(p, d).bias_dtype_matches);
+  EXPECT_TRUE(hopper::ForwardCallOf(p, d).bias_f32 && hopper::ForwardCallOf(p, d).bias_converts);
+  p.bias.dtype = DType::kF32;
+  EXPECT_TRUE(hopper::ForwardCallOf(p, d).bias_f32);
+  EXPECT_FALSE(hopper::ForwardCallOf(p, d).bias_converts);
 }
 
 TEST(HopperForwardCall, WindowSidesAndBands) {

@@ -75,14 +75,18 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
 # A bias or a mask on the Hopper kernels, broadcast or not, causal or not, soft-capped or not,
 # deterministic or not; gradients of q, k and v, and of the bias (the Hopper backward; at d192
 # and d256 the forward's 64-key tiles and the backward's tile in the P^T buffer). Keys a
-# multiple of 16, then not (the operand folded into rows padded to 8 elements).
+# multiple of 16, then not (the operand folded into rows padded to 8 elements). A bias of
+# another dtype (the forward's float32 tile): float32 with a mask (folded per batch row), and
+# float16 with bf16 inputs (converted).
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (64, 77, 77), (128, 50, 200),
                                (192, 70, 144), (256, 131, 200)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
     bias = normal(2, 1, seq_q, seq_k)
     mask = jnp.asarray(rng.random((1, 4, seq_q, seq_k)) > 0.2)
     for dense in (dict(bias=bias), dict(attention_mask=mask, causal=True), dict(bias=bias, logits_soft_cap=5.0),
-                  dict(bias=bias, causal=True, deterministic=True), dict(attention_mask=mask, deterministic=True)):
+                  dict(bias=bias, causal=True, deterministic=True), dict(attention_mask=mask, deterministic=True),
+                  dict(bias=bias.astype(jnp.float32), attention_mask=mask, causal=True),
+                  dict(bias=bias.astype(jnp.float16), logits_soft_cap=5.0)):
         def dense_loss(q, k, v):
             return jnp.sum(flash_attention(q, k, v, platform="cuda", **dense).astype(jnp.float32) ** 2)
 
@@ -128,7 +132,8 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
 
     jax.block_until_ready(flash_attention(q, k, v, attention_mask=mask, causal=True, platform="cuda", **ids))
     jax.block_until_ready(jax.grad(segments_dense_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
-    calls += 2
+    jax.block_until_ready(flash_attention(q, k, v, bias=bias.astype(jnp.float32), platform="cuda", **ids))
+    calls += 3
 # Deterministic mode with the gradient of a bias broadcast over the batch, one batch row at a
 # time (a row's grid, 66 kv heads x 2 key blocks, fills the H100's 132 multiprocessors).
 q, k, v = normal(2, 64, 66, 64), normal(2, 200, 66, 64), normal(2, 200, 66, 64)

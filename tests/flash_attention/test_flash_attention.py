@@ -214,6 +214,21 @@ CASES = [
          head_dim=128, mask="BH"),
     Case("tiles_mask_hopper_causal_f16_d128_sq<sk", dtype="float16", batch=1, seq_q=150, seq_k=400, q_heads=2,
          kv_heads=1, head_dim=128, causal=True, mask="B1"),
+    # A bias of another dtype than the inputs' on the Hopper forward, as a float32 tile (64-key
+    # tiles from d96, 128-key ones at d64): read as it is (float32, keys a multiple of 4), or
+    # folded into float32 (odd keys, a 16-bit bias of the other type, with a mask, per batch
+    # row where broadcasts cross); with segment ids. d256 runs it on mma.sync. Its backward
+    # runs on mma.sync.
+    Case("tiles_bias_f32_hopper_causal_gqa_bf16_d128", dtype="bfloat16", batch=2, seq_q=300, seq_k=260, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, bias="BH", bias_dtype="float32"),
+    Case("tiles_bias_f32_hopper_odd_keys_softcap_f16_d64", dtype="float16", batch=3, seq_q=333, seq_k=197, q_heads=4,
+         kv_heads=1, soft_cap=5.0, bias="1H", bias_dtype="float32"),
+    Case("tiles_bias_f16_hopper_window_mask_bf16_d192", dtype="bfloat16", batch=2, seq_q=200, seq_k=264, q_heads=2,
+         kv_heads=1, head_dim=192, window=(60, 10), bias="1H", bias_dtype="float16", mask="B1"),
+    Case("tiles_bias_f32_hopper_segments_sinks_f16_d96", dtype="float16", batch=2, seq_q=260, seq_k=136, q_heads=2,
+         kv_heads=2, head_dim=96, segments=True, sinks=True, bias="B1", bias_dtype="float32"),
+    Case("tiles_bias_f32_mma_bf16_d256", dtype="bfloat16", batch=1, seq_q=130, seq_k=136, q_heads=2, kv_heads=1,
+         head_dim=256, bias="11", bias_dtype="float32"),
     # At d192 and d256 the Hopper forward takes 64-key tiles (a mask's tile reads half of a
     # 128-key box), the backward loads each query tile's into its P^T buffer. Folded operands,
     # segment ids, the bias's gradient (stores, sums over the batch or the heads), and
@@ -738,8 +753,12 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     # Above head dim 128 a bias or mask takes 64-key tiles.
     assert heuristic_config("cuda", args(512, 256, bias=bias)) == tile(128, 64, 12, 2)
     assert config_candidates("cuda", args(512, 192, attention_mask=mask)) == [tile(128, 64, 12, 2)]
-    # What the Hopper forward does not take runs on the mma.sync kernels: a float32 bias.
-    assert heuristic_config("cuda", args(512, 128, bias=bias.astype(jnp.float32))) == tile(64, 64, 4, 2)
+    # A float32 bias takes 64-key tiles from d96 (128-key ones at d64); at d256 it runs on the
+    # mma.sync kernels.
+    bias_f32 = bias.astype(jnp.float32)
+    assert heuristic_config("cuda", args(512, 128, bias=bias_f32)) == tile(128, 64, 12, 2)
+    assert heuristic_config("cuda", args(512, 64, bias=bias_f32)) == narrow
+    assert heuristic_config("cuda", args(512, 256, bias=bias_f32)) == tile(128, 64, 8, 2)
 
     q = jnp.asarray(rng.standard_normal((2, 1500, 4, 128)), jnp.bfloat16)
     tuner = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))

@@ -212,8 +212,10 @@ struct KernelParams {
   const int* cu_seqlens_k;
   int num_sequences;
   // Blocks in sections of `section` (batch, kv head) pairs, key tile major inside a section
-  // (see the kernel); 1 is plain (batch, kv head)-major order.
-  int section;
+  // (see the kernel); 1 is plain (batch, kv head)-major order. batch_inner: pairs numbered
+  // batch-minor (kv head * batch + b), so that blocks dispatched together read the same tiles
+  // of a bias or mask broadcast over the batch.
+  int section, batch_inner;
   float softcap_pre;  // scale / cap (soft cap only)
   float logit_scale;  // maps the (capped) score to the log2 domain
   float dk_scale;     // softmax scale
@@ -481,8 +483,13 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     const int pair = first + within % pairs;
     n_block = within / pairs;
     if constexpr (kDeterministic) n_block = gridDim.x - 1 - n_block;
-    kv_head = pair % p.num_kv_heads;
-    batch = pair / p.num_kv_heads;
+    if (p.batch_inner) {
+      batch = pair % static_cast<int>(gridDim.z);
+      kv_head = pair / static_cast<int>(gridDim.z);
+    } else {
+      kv_head = pair % p.num_kv_heads;
+      batch = pair / p.num_kv_heads;
+    }
   }
   // The block's sequence: queries [q_begin, q_begin + sq) and keys [k_begin, k_begin + sk) of
   // the batch row. Packed sequences: n_block is in FindSequence's numbering; blocks past the

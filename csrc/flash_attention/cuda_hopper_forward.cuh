@@ -215,6 +215,11 @@ struct KernelParams {
   // Key j is visible to query i iff i + offset - left <= j < i + offset + right + 1 (and j < Sk),
   // offset = Sk - Sq of the sequence; left/right are clamped so that the sums stay in int32.
   int left, right;
+  // Dense kernels: (batch, head) pairs numbered batch-minor (head * batch + b), so that tiles
+  // dispatched together read the same tiles of a bias or mask broadcast over the batch
+  // (TileHead); div_batch divides by the batch.
+  int batch_inner;
+  FastDivisor div_batch;
 };
 
 // Host launcher, instantiated per head dim in cuda_hopper_forward_hdim*.cu.
@@ -727,13 +732,20 @@ __device__ __forceinline__ void NarrowToSegments(const KernelParams& p, int batc
 }
 
 // The (head, batch) of a tile (recomputed where needed: kept in registers through the tile,
-// they would make ptxas serialise the 176-key kernel's wgmma).
+// they would make ptxas serialise the 176-key kernel's wgmma). kDense: the kernel reads a bias
+// or mask, and its pairs may be numbered batch-minor (KernelParams::batch_inner).
+template <bool kDense>
 __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* head, int* batch) {
   if (p.cu_seqlens_q == nullptr) {
     int bh, m_block;
     DenseTile(p, tile, &bh, &m_block);
-    *batch = p.div_q_heads.Div(bh);
-    *head = bh - *batch * p.num_q_heads;
+    if (kDense && p.batch_inner) {
+      *head = p.div_batch.Div(bh);
+      *batch = bh - *head * p.batch;
+    } else {
+      *batch = p.div_q_heads.Div(bh);
+      *head = bh - *batch * p.num_q_heads;
+    }
   } else {
     *head = p.div_m_blocks.Div(tile);
     *batch = 0;
@@ -831,7 +843,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         if (tile < 0) break;
         Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
         int head, batch;
-        TileHead(p, tile, &head, &batch);
+        TileHead<kDense>(p, tile, &head, &batch);
         if constexpr (kSegments) NarrowToSegments(p, batch, t.m0 / kBlockM, t);
         if (t.n_count == 0 || (!kSegments && lane != 0)) {
           kv_iter += t.n_count;
@@ -940,7 +952,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     int q_segment[2] = {0, 0};
     if constexpr (kSegments) {
       int head, batch;
-      TileHead(p, tile, &head, &batch);
+      TileHead<kDense>(p, tile, &head, &batch);
       NarrowToSegments(p, batch, tl.m0 / kBlockM, tl);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -957,7 +969,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     {
       const bool has_sink = p.sinks != nullptr && !tl.padding;
       int head, batch;
-      TileHead(p, tile, &head, &batch);
+      TileHead<kDense>(p, tile, &head, &batch);
       const float sink = has_sink ? LoadScalar(p.sinks, p.sink_dtype, head) * kLog2e : -INFINITY;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -1282,7 +1294,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 
     // Epilogue: normalise, store O (rows past the sequence are skipped) and the log-sum-exp.
     int head, batch;
-    TileHead(p, tile, &head, &batch);
+    TileHead<kDense>(p, tile, &head, &batch);
     const bool staged = stage_out && q_slot >= 0;
     // The two rows' sums across their quads, as two interleaved chains.
 #pragma unroll

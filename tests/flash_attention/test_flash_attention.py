@@ -214,6 +214,11 @@ CASES = [
          head_dim=128, mask="BH"),
     Case("tiles_mask_hopper_causal_f16_d128_sq<sk", dtype="float16", batch=1, seq_q=150, seq_k=400, q_heads=2,
          kv_heads=1, head_dim=128, causal=True, mask="B1"),
+    # An operand broadcast over the batch alone: the forward numbers its tiles batch-minor.
+    Case("tiles_mask_hopper_1H_causal_gqa_bf16_d128", dtype="bfloat16", batch=3, seq_q=300, seq_k=272, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, mask="1H"),
+    Case("tiles_bias_hopper_1H_window_f16_d192", dtype="float16", batch=3, seq_q=200, seq_k=264, q_heads=2,
+         kv_heads=1, head_dim=192, window=(60, 10), bias="1H"),
     # A bias of another dtype than the inputs' on the Hopper forward, as a float32 tile (64-key
     # tiles from d96, 128-key ones at d64): read as it is (float32, keys a multiple of 4), or
     # folded into float32 (odd keys, a 16-bit bias of the other type, with a mask, per batch

@@ -32,12 +32,14 @@ extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStre
 extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchBiasF32<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchBiasF32<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(192)
 extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
@@ -270,10 +272,19 @@ Status LastLaunch(const char* what) {
 }
 
 // Segment ids, a bias or a mask take their own kernels (compiled in
-// cuda_hopper_backward_segments_hdim*.cu and cuda_hopper_backward_dense_hdim*.cu).
+// cuda_hopper_backward_segments_hdim*.cu, cuda_hopper_backward_dense_hdim*.cu and
+// cuda_hopper_backward_bias_f32_hdim*.cu).
 template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
+  if (Has(feature, Elementwise::kBiasF32)) {
+    if constexpr (kHeadDim == 96 || kHeadDim == 128) {
+      return LaunchBiasF32<kHeadDim>(kp, f16, softcap, feature, batch, stream);
+    } else {
+      return Status::Internal("hopper flash attention backward: no float32 bias kernel at head_dim " +
+                              std::to_string(kHeadDim));
+    }
+  }
   if (feature != Elementwise::kNone) {  // a bias or a mask
     if (kp.q_segment_ids != nullptr) {
       if constexpr (kSegmentIdsBuilt) {
@@ -542,9 +553,13 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
         kp.padded_q, kp.cu_seqlens_q, kp.num_sequences);
     EJK_RETURN_IF_ERROR(LastLaunch("sink gradient"));
   }
-  const Elementwise feature = f.bias.present()   ? (p.dbias.present() ? Elementwise::kBiasWithGrad : Elementwise::kBias)
-                              : f.mask.present() ? Elementwise::kMask
-                                                 : Elementwise::kNone;
+  // A bias of another dtype than the inputs' arrives here as float32 (folded where it was not).
+  const bool bias_f32 = f.bias.present() && f.bias.dtype == DType::kF32;
+  const Elementwise feature =
+      f.bias.present() ? (bias_f32 ? (p.dbias.present() ? Elementwise::kBiasF32WithGrad : Elementwise::kBiasF32)
+                                   : (p.dbias.present() ? Elementwise::kBiasWithGrad : Elementwise::kBias))
+      : f.mask.present() ? Elementwise::kMask
+                         : Elementwise::kNone;
   EJK_RETURN_IF_ERROR(
       LaunchMain(d.head_dim, kp, f16, f.logits_soft_cap > 0.0f, feature, static_cast<int>(d.batch), stream));
   {

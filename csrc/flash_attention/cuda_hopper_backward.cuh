@@ -140,8 +140,9 @@ struct Layout {
   static constexpr int kDsBytes = kBlockM / 64 * kDsBlockBytes;
   // Split keys at head dim 128: the dQ of item i is issued with item i + 1's products (see the
   // kernel), so a dS^T buffer is rewritten only once both warpgroups' products from it are
-  // complete: three buffers. (Head dim 64 measured 3-7% slower that way.)
-  static constexpr bool kLateDq = kPaddedDim == 128;
+  // complete: three buffers. (Head dim 64 measured 3-7% slower that way.) A float32 bias tile
+  // (32 KB per stage) leaves room for two.
+  static constexpr bool kLateDq = kPaddedDim == 128 && !Has(kFeature, Elementwise::kBiasF32);
   static constexpr int kDsBuffers = kLateDq ? 3 : 2;
   static constexpr int kDqFloats = kBlockM * kPaddedDim;
   // The bias or mask tile per stage. Splitting queries there is no room for it: it loads into
@@ -247,6 +248,11 @@ Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise f
 template <int kHeadDim>
 Status LaunchSegmentsDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                            cudaStream_t stream);
+// Calls with a float32 bias (`feature`: kBiasF32, or kBiasF32WithGrad for its gradient), with
+// or without segment ids, at d96/d128; instantiated in cuda_hopper_backward_bias_f32_hdim*.cu.
+template <int kHeadDim>
+Status LaunchBiasF32(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                     cudaStream_t stream);
 
 #if EJK_HOPPER_DEVICE_CODE
 namespace device {
@@ -919,13 +925,17 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       const int* q_ids = L::kQIdBytes > 0 || !kSegments
                              ? reinterpret_cast<const int*>(smem_ptr + L::kQIds + s * L::kQIdBytes)
                              : p.q_segment_ids + static_cast<int64_t>(batch) * p.padded_q + m0;
-      // The bias or mask tile: element (query q, key wg * 64 + 16 warp + 8 r + g) sits in row q,
-      // 16-byte chunk ((key % Dense::kBlockKeys) / (8 or 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
+      // The bias or mask tile: element (query q, key wg * 64 + 16 warp + 8 r + g) sits in row q
+      // of block key / Dense::kBlockKeys, 16-byte chunk ((key % Dense::kBlockKeys) / (4, 8 or
+      // 16)) ^ (q % 8), and q % 8 == 2 t4 + c.
       const uint32_t dense_tile = smem + L::DenseOffset(s);
       const auto dense_at = [&](int j, int r, int c) {
         const int query = 8 * j + 2 * t4 + c;
         if constexpr (kMask) {
           return dense_tile + query * 128 + (((wg * 4 + warp) ^ (2 * t4 + c)) << 4) + g + 8 * r;
+        } else if constexpr (L::Dense::kBiasF32) {
+          return dense_tile + (2 * wg + warp / 2) * L::Dense::kBlockBytes + query * 128 +
+                 (((4 * (warp % 2) + 2 * r + g / 4) ^ (2 * t4 + c)) << 4) + 4 * (g % 4);
         } else {
           return dense_tile + wg * L::Dense::kBlockBytes + query * 128 + (((2 * warp + r) ^ (2 * t4 + c)) << 4) + 2 * g;
         }
@@ -942,13 +952,17 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
             const int i = 4 * j + 2 * r + c;
             float bias_after_cap = 0.0f, dlogit;
             if constexpr (L::Dense::kBias) {
-              uint16_t bits;
-              asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(dense_at(j, r, c)) : "memory");
               float bias;
-              if constexpr (kF16) {
-                bias = __half2float(__ushort_as_half(bits));
+              if constexpr (L::Dense::kBiasF32) {
+                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bias) : "r"(dense_at(j, r, c)) : "memory");
               } else {
-                bias = __bfloat162float(__ushort_as_bfloat16(bits));
+                uint16_t bits;
+                asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(dense_at(j, r, c)) : "memory");
+                if constexpr (kF16) {
+                  bias = __half2float(__ushort_as_half(bits));
+                } else {
+                  bias = __bfloat162float(__ushort_as_bfloat16(bits));
+                }
               }
               if constexpr (kBiasAfterCap) {
                 bias_after_cap = bias * p.dense.bias_to_score;
@@ -1148,6 +1162,23 @@ Status LaunchDenseWith(const KernelParams& kp, bool f16, bool softcap, Elementwi
 template <int kHeadDim>
 Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch, cudaStream_t stream) {
   return LaunchDenseWith<kHeadDim, Elementwise::kNone>(kp, f16, softcap, feature, batch, stream);
+}
+
+template <int kHeadDim>
+Status LaunchBiasF32(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                     cudaStream_t stream) {
+  static_assert(kHeadDim == 96 || kHeadDim == 128, "a float32 bias tile fits the split-keys layout of d96/d128");
+  const bool grad = feature == Elementwise::kBiasF32WithGrad;
+  if (kp.q_segment_ids != nullptr) {
+    if constexpr (kSegmentIdsBuilt) {
+      return grad ? LaunchVariant<kHeadDim, Elementwise::kSegmentIdsBiasF32WithGrad>(kp, f16, softcap, batch, stream)
+                  : LaunchVariant<kHeadDim, Elementwise::kSegmentIdsBiasF32>(kp, f16, softcap, batch, stream);
+    } else {
+      return FeatureNotBuilt("segment_ids");
+    }
+  }
+  return grad ? LaunchVariant<kHeadDim, Elementwise::kBiasF32WithGrad>(kp, f16, softcap, batch, stream)
+              : LaunchVariant<kHeadDim, Elementwise::kBiasF32>(kp, f16, softcap, batch, stream);
 }
 
 template <int kHeadDim>

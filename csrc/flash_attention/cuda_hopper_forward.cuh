@@ -70,8 +70,8 @@ struct TileConstants {
 
 // The per-element features a kernel reads with each tile (a template parameter), as flags:
 // segment ids (the keys' ids), a dense bias or attention mask ([kBlockM x kBlockN] tile), or
-// segment ids with one of those; kBiasF32, forward kernels only: a float32 bias with bf16/f16
-// inputs; kBiasWithGrad, backward kernels only: a bias whose gradient the kernel also writes.
+// segment ids with one of those; kBiasF32: a float32 bias with bf16/f16 inputs; kBiasWithGrad,
+// backward kernels only: a bias whose gradient the kernel also writes.
 // Every combination a kernel is built for has a name: nvcc's host stubs spell a kernel's enum
 // template arguments by their enumerators.
 enum class Elementwise : unsigned {
@@ -81,10 +81,12 @@ enum class Elementwise : unsigned {
   kMask = 4,
   kBiasWithGrad = 8 | kBias,
   kBiasF32 = 16 | kBias,
+  kBiasF32WithGrad = kBiasWithGrad | kBiasF32,
   kSegmentIdsBias = kSegmentIds | kBias,
   kSegmentIdsMask = kSegmentIds | kMask,
   kSegmentIdsBiasWithGrad = kSegmentIds | kBiasWithGrad,
   kSegmentIdsBiasF32 = kSegmentIds | kBiasF32,
+  kSegmentIdsBiasF32WithGrad = kSegmentIds | kBiasF32WithGrad,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
   return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));

@@ -98,7 +98,8 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
         return jnp.sum(flash_attention(q, k, v, bias=bias, platform="cuda").astype(jnp.float32) ** 2)
 
     jax.block_until_ready(jax.grad(bias_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
-    calls += 1
+    jax.block_until_ready(jax.grad(bias_loss, argnums=(0, 1, 2, 3))(q, k, v, bias.astype(jnp.float32)))
+    calls += 2
 
     # A bias with a plane per (batch, head): its gradient stored once per element in its own
     # dtype, without zeroing first where no causal mask lets blocks skip query tiles (with

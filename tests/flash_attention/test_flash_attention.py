@@ -222,8 +222,9 @@ CASES = [
     # A bias of another dtype than the inputs' on the Hopper forward, as a float32 tile (64-key
     # tiles from d96, 128-key ones at d64): read as it is (float32, keys a multiple of 4), or
     # folded into float32 (odd keys, a 16-bit bias of the other type, with a mask, per batch
-    # row where broadcasts cross); with segment ids. d256 runs it on mma.sync. Its backward
-    # runs on mma.sync.
+    # row where broadcasts cross); with segment ids. d256 runs it on mma.sync. The backward
+    # takes a float32 bias at d96/d128 (two dS^T buffers), with its gradient stored or summed,
+    # deterministic or not.
     Case("tiles_bias_f32_hopper_causal_gqa_bf16_d128", dtype="bfloat16", batch=2, seq_q=300, seq_k=260, q_heads=4,
          kv_heads=2, head_dim=128, causal=True, bias="BH", bias_dtype="float32"),
     Case("tiles_bias_f32_hopper_odd_keys_softcap_f16_d64", dtype="float16", batch=3, seq_q=333, seq_k=197, q_heads=4,
@@ -232,6 +233,8 @@ CASES = [
          kv_heads=1, head_dim=192, window=(60, 10), bias="1H", bias_dtype="float16", mask="B1"),
     Case("tiles_bias_f32_hopper_segments_sinks_f16_d96", dtype="float16", batch=2, seq_q=260, seq_k=136, q_heads=2,
          kv_heads=2, head_dim=96, segments=True, sinks=True, bias="B1", bias_dtype="float32"),
+    Case("tiles_bias_f32_hopper_deterministic_softcap_bf16_d128", dtype="bfloat16", batch=2, seq_q=260, seq_k=200,
+         q_heads=4, kv_heads=2, head_dim=128, soft_cap=5.0, bias="BH", bias_dtype="float32", deterministic=True),
     Case("tiles_bias_f32_mma_bf16_d256", dtype="bfloat16", batch=1, seq_q=130, seq_k=136, q_heads=2, kv_heads=1,
          head_dim=256, bias="11", bias_dtype="float32"),
     # At d192 and d256 the Hopper forward takes 64-key tiles (a mask's tile reads half of a

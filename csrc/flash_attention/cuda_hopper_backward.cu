@@ -481,7 +481,7 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.kv_segment_ids = nullptr;
   kp.dq_turns = nullptr;
   EJK_RETURN_IF_ERROR(hopper::PrepareDenseOperand(f, block_m, &kp.dense));
-  kp.batch_inner = d.batch > 1 && kp.dense.per_head && !kp.dense.per_batch && !d.varlen;
+  kp.batch_inner = hopper::DenseSharedAcrossBatch(kp.dense, d);
   kp.dbias = nullptr;
   kp.dbias_stride_b = kp.dbias_stride_h = 0;
   kp.dbias_atomic = 0;

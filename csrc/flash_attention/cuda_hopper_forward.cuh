@@ -1403,6 +1403,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 // The call's bias or mask, if any, for tiles of box_rows rows (the forward's and the backward's).
 Status PrepareDenseOperand(const ForwardParams& p, int box_rows, DenseOperand* dense);
+// Whether the call's bias or mask has a plane per head and broadcasts over several batch rows:
+// then both directions number their (batch, head) pairs batch-minor (batch_inner), so that the
+// rows reading one plane's tiles run together and share them through L2.
+bool DenseSharedAcrossBatch(const DenseOperand& dense, const Dims& d);
 // Also the bias or mask (PrepareDenseOperand) for tiles of block_m rows.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
 // Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of

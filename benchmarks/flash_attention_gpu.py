@@ -120,7 +120,9 @@ def extra_cases() -> list[Case]:
         Case("bias_f32", 4, 4096, 16, 128, dense="bias_f32"),
         Case("bias_f32", 4, 4096, 16, 128, causal=True, dense="bias_f32"),
         Case("bias_f32_d64", 4, 4096, 32, 64, dense="bias_f32"),
+        Case("bias_f32_d64", 4, 4096, 32, 64, causal=True, dense="bias_f32"),
         Case("dbias_f32", 4, 4096, 16, 128, dense="bias_f32", dense_grad=True),
+        Case("dbias_f32_d64", 4, 4096, 32, 64, dense="bias_f32", dense_grad=True),
         # A bias with a mask shared by every batch row and head.
         Case("bias_mask", 4, 4096, 16, 128, dense="bias_mask"),
         Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),

@@ -26,6 +26,7 @@ extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStre
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchBiasF32<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(96)
 extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
@@ -69,10 +70,7 @@ int PaddedDimFor(int64_t head_dim) {
     default: return static_cast<int>(head_dim);
   }
 }
-int BlockMFor(int64_t head_dim) {
-  const int padded = PaddedDimFor(head_dim);
-  return padded == 64 ? Layout<64>::kBlockM : padded == 128 ? Layout<128>::kBlockM : Layout<256>::kBlockM;
-}
+int BlockMFor(int64_t head_dim, bool bias_f32) { return BlockMOf(PaddedDimFor(head_dim), bias_f32); }
 int BlockNFor(int64_t head_dim) {
   const int padded = PaddedDimFor(head_dim);
   return padded == 64 ? Layout<64>::kBlockN : padded == 128 ? Layout<128>::kBlockN : Layout<256>::kBlockN;
@@ -85,9 +83,11 @@ struct ScratchLayout {
   size_t turn_bytes;                      // deterministic mode only, else 0
 };
 
-ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic) {
+// bias_f32: the kernels read a float32 bias (hopper::ForwardCall::bias_f32; folded into one
+// where its dtype was another).
+ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic, bool bias_f32) {
   ScratchLayout s;
-  const int block_m = BlockMFor(d.head_dim);
+  const int block_m = BlockMFor(d.head_dim, bias_f32);
   s.num_m_blocks = (d.seqlen_q + block_m - 1) / block_m;
   s.padded_q = s.num_m_blocks * block_m;
   s.rows = d.batch * d.num_q_heads * s.padded_q;
@@ -278,7 +278,7 @@ template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
   if (Has(feature, Elementwise::kBiasF32)) {
-    if constexpr (kHeadDim == 96 || kHeadDim == 128) {
+    if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {
       return LaunchBiasF32<kHeadDim>(kp, f16, softcap, feature, batch, stream);
     } else {
       return Status::Internal("hopper flash attention backward: no float32 bias kernel at head_dim " +
@@ -358,7 +358,9 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
-  if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p), p.deterministic).rows >= (int64_t{1} << 31)) {
+  if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p), p.deterministic,
+                                 hopper::ForwardCallOf(f, dims).bias_f32)
+          .rows >= (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv, &f.bias, &f.mask}) {
@@ -371,9 +373,9 @@ namespace hopper_backward {
 namespace {
 
 // Bytes of the kernels' own scratch at the start of BackwardHopper's (the folded bias follows).
-size_t KernelScratchBytes(const Dims& dims, bool segment_ids, bool deterministic) {
+size_t KernelScratchBytes(const Dims& dims, const hopper::ForwardCall& call, bool deterministic) {
   if (!HeadDimBuilt(dims.head_dim)) return 0;
-  const ScratchLayout s = ScratchFor(dims, segment_ids, deterministic);
+  const ScratchLayout s = ScratchFor(dims, call.segment_ids, deterministic, call.bias_f32);
   return AlignScratch(2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes);
 }
 
@@ -392,7 +394,7 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
 }  // namespace hopper_backward
 
 size_t BackwardHopperScratchBytes(const Dims& dims, const hopper::ForwardCall& call, bool deterministic) {
-  return hopper_backward::KernelScratchBytes(dims, call.segment_ids, deterministic) + hopper::FoldedBiasBytes(call);
+  return hopper_backward::KernelScratchBytes(dims, call, deterministic) + hopper::FoldedBiasBytes(call);
 }
 
 Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream) {
@@ -404,7 +406,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   // The forward's folded bias, again (per batch row where the forward's was): the kernels read
   // it, and dbias keeps the bias's shape (zero where the mask hides a key: P is 0 there).
   char* at = static_cast<char*>(scratch) +
-             hopper_backward::KernelScratchBytes(args.dims, f.q_segment_ids.present(), args.p.deterministic);
+             hopper_backward::KernelScratchBytes(args.dims, call, args.p.deterministic);
   CudaBackwardArgs whole = args;
   if (call.folded_batch != 0 && !call.fold_per_row) {
     EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(f, call, at, stream, &whole.p.fwd.bias));
@@ -438,8 +440,10 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
-  const ScratchLayout sl = ScratchFor(d, HasSegments(p), p.deterministic);
-  const int block_m = BlockMFor(d.head_dim);
+  // A bias of another dtype than the inputs' arrives here as float32 (folded where it was not).
+  const bool bias_f32 = f.bias.present() && f.bias.dtype == DType::kF32;
+  const ScratchLayout sl = ScratchFor(d, HasSegments(p), p.deterministic, bias_f32);
+  const int block_m = BlockMFor(d.head_dim, bias_f32);
   const bool f16 = f.q.dtype == DType::kF16;
   char* base = static_cast<char*>(scratch);
 
@@ -486,10 +490,12 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.dbias_stride_b = kp.dbias_stride_h = 0;
   kp.dbias_atomic = 0;
   kp.dbias_f32 = 1;
+  kp.dbias_f16 = 0;
   if (p.dbias.present()) {
     const int64_t plane = d.seqlen_q * d.seqlen_k;
     kp.dbias = p.dbias.data;
     kp.dbias_f32 = p.dbias.dtype == DType::kF32;
+    kp.dbias_f16 = p.dbias.dtype == DType::kF16;
     kp.dbias_stride_h = p.dbias.dim(1) > 1 ? plane : 0;
     kp.dbias_stride_b = p.dbias.dim(0) > 1 ? p.dbias.dim(1) * plane : 0;
     kp.dbias_atomic = DbiasSummed(p, d) || shared.dbias_shared;
@@ -553,8 +559,6 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
         kp.padded_q, kp.cu_seqlens_q, kp.num_sequences);
     EJK_RETURN_IF_ERROR(LastLaunch("sink gradient"));
   }
-  // A bias of another dtype than the inputs' arrives here as float32 (folded where it was not).
-  const bool bias_f32 = f.bias.present() && f.bias.dtype == DType::kF32;
   const Elementwise feature =
       f.bias.present() ? (bias_f32 ? (p.dbias.present() ? Elementwise::kBiasF32WithGrad : Elementwise::kBiasF32)
                                    : (p.dbias.present() ? Elementwise::kBiasWithGrad : Elementwise::kBias))

@@ -85,7 +85,9 @@ using hopper::Elementwise;
 //     are the register A operands of dV and dK. The consumers' S^T/dP^T accumulators hold
 //     kBlockM / 2 floats each next to dK and dV (kHeadDim / 2 each), so the wider head dim
 //     takes the shorter query tile. dQ is kBlockM * kPaddedDim = 8192 floats, a 64 x 64 block
-//     per warpgroup.
+//     per warpgroup. A float32 bias at head dim 64 takes 64-query tiles too (its 128-query
+//     tile would be 64 KB per stage): dQ is then one 64 x 64 block, each warpgroup's product
+//     covers its own 64 keys, and the two partial sums meet in shared memory (kDqExchange).
 //   head dims 192 and 256 ("split queries"): dK and dV of 128 keys x 192 or 256 columns do
 //     not fit in two warpgroups' registers, so kBlockN = 64 keys, and each warpgroup owns 128
 //     columns of dK, dV and dQ and 32 query columns of S^T and dP^T (m64n32 products). P^T
@@ -102,21 +104,8 @@ struct PaddedHeadDim {
   static constexpr int kValue = kHeadDim == 96 ? 128 : kHeadDim == 192 ? 256 : kHeadDim;
 };
 
-// Query rows per tile, by padded head dim.
-template <int kPaddedDim>
-struct BlockM;
-template <>
-struct BlockM<64> {
-  static constexpr int kValue = 128;
-};
-template <>
-struct BlockM<128> {
-  static constexpr int kValue = 64;
-};
-template <>
-struct BlockM<256> {
-  static constexpr int kValue = 64;
-};
+// Query rows per tile, by padded head dim and whether a float32 bias tile is staged.
+constexpr int BlockMOf(int padded_dim, bool bias_f32) { return padded_dim == 64 && !bias_f32 ? 128 : 64; }
 
 // kFeature: segment ids (each stage also holds its query tile's ids where there is room), a
 // dense bias or mask (each stage also holds its query tile's [kBlockM x kBlockN] tile of it;
@@ -126,8 +115,11 @@ struct Layout {
   static constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
   static constexpr int kPaddedDim = PaddedHeadDim<kHeadDim>::kValue;
   static constexpr bool kSplitQueries = kPaddedDim == 256;
-  static constexpr int kBlockM = BlockM<kPaddedDim>::kValue;
+  static constexpr int kBlockM = BlockMOf(kPaddedDim, Has(kFeature, Elementwise::kBiasF32));
   static constexpr int kBlockN = kSplitQueries ? 64 : 128;
+  // One 64 x 64 dQ block per tile, which both warpgroups add to: each sends the other the
+  // half of its columns the other reduces into the accumulator.
+  static constexpr bool kDqExchange = kPaddedDim == 64 && kBlockM == 64;
   static constexpr int kThreads = 384;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
@@ -141,10 +133,12 @@ struct Layout {
   // Split keys at head dim 128: the dQ of item i is issued with item i + 1's products (see the
   // kernel), so a dS^T buffer is rewritten only once both warpgroups' products from it are
   // complete: three buffers. (Head dim 64 measured 3-7% slower that way.) A float32 bias tile
-  // (32 KB per stage) leaves room for two.
+  // (32 KB per stage) leaves room for two. With kDqExchange a warpgroup's products read only
+  // its own rows of dS^T, done before it writes the next item's: one buffer.
   static constexpr bool kLateDq = kPaddedDim == 128 && !Has(kFeature, Elementwise::kBiasF32);
-  static constexpr int kDsBuffers = kLateDq ? 3 : 2;
+  static constexpr int kDsBuffers = kLateDq ? 3 : kDqExchange ? 1 : 2;
   static constexpr int kDqFloats = kBlockM * kPaddedDim;
+  static constexpr int kDqExchangeBytes = kDqExchange ? kDqFloats * 4 : 0;
   // The bias or mask tile per stage. Splitting queries there is no room for it: it loads into
   // the stage's P^T buffer (two stages, P^T buffers by item parity), which the item's P^T
   // overwrites once both consumer warpgroups have read their rows of the tile.
@@ -156,7 +150,8 @@ struct Layout {
   // (the rest is fixed).
   static constexpr int BytesFor(int stages, int q_id_bytes) {
     return 2 * kKvTileBytes + stages * (2 * kQTileBytes + kDenseStageBytes) + kDsBuffers * kDsBytes +
-           (kSplitQueries ? 2 * kDsBytes : 0) + stages * (2 * kBlockM * 4 + q_id_bytes) + 8 * (1 + 3 * stages);
+           (kSplitQueries ? 2 * kDsBytes : 0) + kDqExchangeBytes + stages * (2 * kBlockM * 4 + q_id_bytes) +
+           8 * (1 + 3 * stages);
   }
   static constexpr int kMaxBytes = 232448;
   static constexpr int kStagedQIdBytes = kSegments ? kBlockM * 4 : 0;
@@ -177,7 +172,8 @@ struct Layout {
   static constexpr int kDenseOffset = kDo + kStages * kQTileBytes;
   static constexpr int kDs = kDenseOffset + kStages * kDenseStageBytes;
   static constexpr int kP = kDs + kDsBuffers * kDsBytes;  // 2 buffers, split queries only
-  static constexpr int kLse = kP + (kSplitQueries ? 2 * kDsBytes : 0);
+  static constexpr int kDqExchangeOffset = kP + (kSplitQueries ? 2 * kDsBytes : 0);
+  static constexpr int kLse = kDqExchangeOffset + kDqExchangeBytes;
   static constexpr int kDelta = kLse + kStages * kBlockM * 4;
   static constexpr int kQIds = kDelta + kStages * kBlockM * 4;
   // Where stage s's bias or mask tile goes.
@@ -186,7 +182,8 @@ struct Layout {
   // kv_full, q_full[kStages], do_full[kStages], empty[kStages].
   static constexpr int kBytes = kBarriers + 8 * (1 + 3 * kStages);
   static constexpr int kAllocBytes = kBytes + kAlignSlack;
-  static_assert(kDqFloats == 8192 * (kSplitQueries ? 2 : 1), "dQ: 64 x 64 blocks, one (two) per consumer warpgroup");
+  static_assert(kDqFloats == (kDqExchange ? 4096 : 8192 * (kSplitQueries ? 2 : 1)),
+                "dQ: 64 x 64 blocks, one (two) per consumer warpgroup, or one shared");
   static_assert(kBytes == BytesFor(kStages, kQIdBytes), "shared memory");
   static_assert(!kDense || !kSplitQueries || (kStages == 2 && kDenseTileBytes == kDsBytes), "dense tile in P^T");
 };
@@ -198,10 +195,10 @@ struct KernelParams {
   // kBiasWithGrad: the bias's gradient, its strides (0 along a broadcast dimension), and
   // whether several (batch, head) pairs add into its elements (a broadcast dimension): then
   // f32 sums by atomics into zeroed memory, else each element is stored once, in f32 or in
-  // the inputs' dtype (dbias_f32 == 0).
+  // the bias's 16-bit dtype (dbias_f32 == 0; f16 or bf16 by dbias_f16, whatever the inputs').
   void* dbias;
   int64_t dbias_stride_b, dbias_stride_h;
-  int dbias_atomic, dbias_f32;
+  int dbias_atomic, dbias_f32, dbias_f16;
   void *dk, *dv;
   const float* lse2;   // [B, Hq, padded_q] lse in log2 units, +inf for rows that see nothing
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
@@ -249,7 +246,7 @@ template <int kHeadDim>
 Status LaunchSegmentsDense(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                            cudaStream_t stream);
 // Calls with a float32 bias (`feature`: kBiasF32, or kBiasF32WithGrad for its gradient), with
-// or without segment ids, at d96/d128; instantiated in cuda_hopper_backward_bias_f32_hdim*.cu.
+// or without segment ids, at d64 to d128; instantiated in cuda_hopper_backward_bias_f32_hdim*.cu.
 template <int kHeadDim>
 Status LaunchBiasF32(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream);
@@ -437,6 +434,8 @@ constexpr int kBarDsStored = 2;  // split keys: + 2 wg + item parity: warpgroup 
 constexpr int kBarDqGo = 6;      // + wg: deterministic mode, warpgroup wg's turn at a dQ tile came
 constexpr int kBarDqDone = 8;    // + wg: warpgroup wg added its dQ into the tile
 constexpr int kBarDenseRead = 10;  // split queries: both consumer warpgroups read the dense tile
+constexpr int kBarDqSent = 11;     // kDqExchange: both consumer warpgroups stored their halves
+constexpr int kBarDqTaken = 12;    // + wg: kDqExchange: warpgroup wg read the half sent to it
 
 }  // namespace device
 #endif  // EJK_HOPPER_DEVICE_CODE
@@ -690,29 +689,70 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // dQ of warpgroup column block b (64 x 64 floats, 4096) into its tile in register order:
   // float4 (j, thread) holds accumulator elements 4j..4j+3, so each warp's reductions cover
   // 512 contiguous bytes. Columns past a padded head dim (64 b + 8 j on) are left out.
+  // With kDqExchange, dq holds the 4 float4 of columns 32 wg on (j = 4 wg + jj).
   const auto add_dq = [&](const float* dq, int it, int b) {
     const int head = kv_head * p.group + it / m_count;
     const int m_block = m_lo + it % m_count;
     float* tile = p.dq_accum + ((static_cast<int64_t>(batch) * p.num_q_heads + head) * p.num_m_blocks + m_block) *
                                    static_cast<int64_t>(L::kDqFloats) + b * 4096;
+    if constexpr (L::kDqExchange) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (kHeadDim == L::kPaddedDim || 64 * b + 8 * j < kHeadDim) {
-        RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      for (int jj = 0; jj < 4; ++jj) {
+        RedAddF32x4(tile + ((4 * wg + jj) * 128 + tid) * 4, dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (kHeadDim == L::kPaddedDim || 64 * b + 8 * j < kHeadDim) {
+          RedAddF32x4(tile + (j * 128 + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        }
       }
     }
   };
 
+  // kDqExchange: this warpgroup's partial dQ of item it (its keys' share) goes half to the
+  // other warpgroup, through shared memory as float4 (half, jj, thread); the half it keeps
+  // (float4 j = 4 wg + jj) gets the other's share added, into mine[4 jj..]. Each half is
+  // rewritten once its reader signalled it read the previous item's (kBarDqTaken, one arrival
+  // pending at most: the last item's is not signalled).
+  const auto exchange_dq = [&](const float (&dq)[32], int it, float (&mine)[16]) {
+    float4* const exchange = reinterpret_cast<float4*>(smem_ptr + L::kDqExchangeOffset);
+    if (it > 0) NamedBarrierSync(kBarDqTaken + (1 - wg), 256);
+    // Register indices must be constants: select between the halves, never index by wg.
+    const bool first = wg == 0;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int lo = 4 * jj, hi = 16 + 4 * jj;
+      exchange[(1 - wg) * 512 + jj * 128 + tid] =
+          first ? make_float4(dq[hi], dq[hi + 1], dq[hi + 2], dq[hi + 3])
+                : make_float4(dq[lo], dq[lo + 1], dq[lo + 2], dq[lo + 3]);
+    }
+    NamedBarrierSync(kBarDqSent, 256);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int lo = 4 * jj, hi = 16 + 4 * jj;
+      const float4 other = exchange[wg * 512 + jj * 128 + tid];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[lo + e] = (first ? dq[lo + e] : dq[hi + e]);
+      mine[lo] += other.x;
+      mine[lo + 1] += other.y;
+      mine[lo + 2] += other.z;
+      mine[lo + 3] += other.w;
+    }
+    if (it + 1 < items) NamedBarrierArrive(kBarDqTaken + wg, 256);
+  };
+
   // This warpgroup's dQ of item it into the accumulator (both of its blocks when splitting
-  // queries); in deterministic mode in the tile's turn, which warp 1 + wg of the producer
-  // warpgroup waits for and passes on (see "Deterministic dQ").
+  // queries, its half of the shared block with kDqExchange); in deterministic mode in the
+  // tile's turn, which warp 1 + wg of the producer warpgroup waits for and passes on (see
+  // "Deterministic dQ").
   const auto add_item_dq = [&](const float* dq, int it) {
     if constexpr (kDeterministic) NamedBarrierSync(kBarDqGo + wg, 160);
     if constexpr (kSplitQueries) {
       add_dq(dq, it, 2 * wg);
       add_dq(dq + 32, it, 2 * wg + 1);
     } else {
-      add_dq(dq, it, wg);
+      add_dq(dq, it, L::kDqExchange ? 0 : wg);
     }
     if constexpr (kDeterministic) NamedBarrierArrive(kBarDqDone + wg, 160);
   };
@@ -724,14 +764,17 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // warpgroup signals its stores on its own barrier per item parity; waiting for the other's
   // item i - 1 before signalling item i keeps at most one signal per barrier pending.
   const auto wait_other_ds = [&](int item) { NamedBarrierSync(kBarDsStored + 2 * (1 - wg) + (item & 1), 256); };
+  // kDqExchange: over this warpgroup's 64 keys only.
   const auto issue_dq = [&](float (&dq)[32], int buffer) {
     constexpr int kDqRowBlocks = kBlockM / 64;
     const int dq_row_block = kDqRowBlocks == 2 ? wg : 0;
-    const int dq_col_block = kDqRowBlocks == 2 ? 0 : wg;
+    const int dq_col_block = kDqRowBlocks == 2 || L::kDqExchange ? 0 : wg;
+    const int first_key = L::kDqExchange ? wg * 64 : 0;
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_a = MakeDescriptor(ds_smem(buffer) + dq_row_block * L::kDsBlockBytes + kk * 16 * 128, L::kDsBlockBytes, 1024);
-      const uint64_t desc_b = MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + kk * 16 * 128, L::kKvBlockBytes, 1024);
+    for (int kk = 0; kk < (L::kDqExchange ? 4 : kBlockN / 16); ++kk) {
+      const int key = first_key + kk * 16;
+      const uint64_t desc_a = MakeDescriptor(ds_smem(buffer) + dq_row_block * L::kDsBlockBytes + key * 128, L::kDsBlockBytes, 1024);
+      const uint64_t desc_b = MakeDescriptor(k_smem + dq_col_block * L::kKvBlockBytes + key * 128, L::kKvBlockBytes, 1024);
       WgmmaSST<kF16, 1, 1>(dq, desc_a, desc_b, kk > 0);
     }
   };
@@ -747,7 +790,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         atomicAdd(static_cast<float*>(p.dbias) + at, dlogit);
       } else if (p.dbias_f32) {
         static_cast<float*>(p.dbias)[at] = dlogit;
-      } else if constexpr (kF16) {
+      } else if (p.dbias_f16) {
         static_cast<__half*>(p.dbias)[at] = __float2half_rn(dlogit);
       } else {
         static_cast<__nv_bfloat16*>(p.dbias)[at] = __float2bfloat16_rn(dlogit);
@@ -1009,7 +1052,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         }
       }
       FenceProxyAsyncShared();
-      NamedBarrierArrive(kBarDsStored + 2 * wg + (it & 1), 256);
+      if constexpr (!L::kDqExchange) NamedBarrierArrive(kBarDsStored + 2 * wg + (it & 1), 256);
 
       // dV += P^T dO, dK += dS^T Q, and dQ.
       float dq[32];
@@ -1029,6 +1072,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         // before item 2: a branch around part of the products would make ptxas serialise every
         // wgmma. (Issuing it first and reducing it while dV and dK run measured 1-10% slower.)
         issue_dq(dq, (it + L::kDsBuffers - 1) % L::kDsBuffers);
+      } else if constexpr (L::kDqExchange) {
+        issue_dq(dq, 0);
       } else {
         WgmmaCommit();
         wait_other_ds(it);
@@ -1046,7 +1091,13 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       // itself: a warp-level handoff left racecheck reporting these reads in some runs.
       FenceProxyAsyncShared();
       MbarArrive(empty(s));
-      if (!L::kLateDq || it > 0) add_item_dq(dq, L::kLateDq ? it - 1 : it);
+      if constexpr (L::kDqExchange) {
+        float mine[16];
+        exchange_dq(dq, it, mine);
+        add_item_dq(mine, it);
+      } else if (!L::kLateDq || it > 0) {
+        add_item_dq(dq, L::kLateDq ? it - 1 : it);
+      }
     }
   }
   if constexpr (L::kLateDq) {
@@ -1167,7 +1218,8 @@ Status LaunchDense(const KernelParams& kp, bool f16, bool softcap, Elementwise f
 template <int kHeadDim>
 Status LaunchBiasF32(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
-  static_assert(kHeadDim == 96 || kHeadDim == 128, "a float32 bias tile fits the split-keys layout of d96/d128");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
+                "a float32 bias tile fits the split-keys layout of d64 to d128");
   const bool grad = feature == Elementwise::kBiasF32WithGrad;
   if (kp.q_segment_ids != nullptr) {
     if constexpr (kSegmentIdsBuilt) {

@@ -209,6 +209,7 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
   a.dq_accum = p.deterministic ? nullptr : reinterpret_cast<float*>(base + 2 * stat_bytes);
   a.dbias = p.dbias.present() ? p.dbias.data : nullptr;
   a.dbias_f32 = !p.dbias.present() || p.dbias.dtype == DType::kF32;
+  a.dbias_f16 = p.dbias.present() && p.dbias.dtype == DType::kF16;
   a.batch = static_cast<int32_t>(d.batch);
   a.num_kv_heads = static_cast<int32_t>(d.num_kv_heads);
   const bool bias_over_b = a.dbias != nullptr && fp.bias.dim(0) == 1 && d.batch > 1;

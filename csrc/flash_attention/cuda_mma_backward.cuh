@@ -48,10 +48,11 @@ struct KernelArgs {
   const float* lse2;
   const float* delta;
   float* dq_accum;
-  // [Bb, Hb, Sq, Sk] with f.bias_stride_*, null when not wanted: f32, or T where each element
-  // is written once (dbias_f32 false; never with dbias_atomic).
+  // [Bb, Hb, Sq, Sk] with f.bias_stride_*, null when not wanted: f32, or the bias's 16-bit
+  // dtype (f16 or bf16, not necessarily T) where each element is written once (dbias_f32
+  // false; never with dbias_atomic).
   void* dbias;
-  bool dbias_atomic, dbias_f32;
+  bool dbias_atomic, dbias_f32, dbias_f16;
   int32_t batch, num_kv_heads;
   int32_t pairs_b, pairs_h;  // (batch, kv head) pairs per KvKernel block
 };
@@ -448,8 +449,10 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
                   atomicAdd(static_cast<float*>(a.dbias) + at, dlogit);
                 } else if (a.dbias_f32) {
                   static_cast<float*>(a.dbias)[at] += dlogit;
+                } else if (a.dbias_f16) {
+                  static_cast<__half*>(a.dbias)[at] = __float2half_rn(dlogit);
                 } else {
-                  static_cast<T*>(a.dbias)[at] = static_cast<T>(dlogit);
+                  static_cast<__nv_bfloat16*>(a.dbias)[at] = __float2bfloat16_rn(dlogit);
                 }
               }
             }

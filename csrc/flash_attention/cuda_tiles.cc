@@ -108,10 +108,9 @@ std::string DenseUnsupportedReason(const ForwardCall& c) {
 }
 
 std::string BackwardDenseUnsupportedReason(const ForwardCall& c) {
-  if (c.bias_converts) return "the bias dtype must be the query's or float32";
-  if (c.bias_f32 && c.head_dim != 96 && c.head_dim != 128) {
-    return "a float32 bias with bf16/f16 inputs at head_dim " + std::to_string(c.head_dim) +
-           " does not fit shared memory (96 and 128 only)";
+  if (c.bias_f32 && c.head_dim > 128) {
+    return "a bias read as float32 (its dtype is not the inputs') at head_dim " + std::to_string(c.head_dim) +
+           " does not fit shared memory (64 to 128 only)";
   }
   return DenseUnsupportedReason(c);
 }

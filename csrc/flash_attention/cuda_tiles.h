@@ -159,8 +159,8 @@ size_t FoldedBiasBytes(const ForwardCall& c);
 // the call has neither). It takes a bias, a mask, or both (folded where needed, PlanFold), not
 // with packed sequences, with or without segment ids; a float32 bias up to head dim 192.
 std::string DenseUnsupportedReason(const ForwardCall& c);
-// The same for the Hopper backward, which takes a float32 bias at d96/d128 only, and no bias
-// of the other 16-bit dtype; HopperBackwardSupports adds the rules that depend on the
+// The same for the Hopper backward, which takes a bias read as float32 (one whose dtype is not
+// the inputs') from d64 to d128 only; HopperBackwardSupports adds the rules that depend on the
 // gradients asked for.
 std::string BackwardDenseUnsupportedReason(const ForwardCall& c);
 

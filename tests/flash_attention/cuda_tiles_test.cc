@@ -185,8 +185,9 @@ ForwardCall WithBiasF32(ForwardCall c, bool converts = false) {
 }
 
 // A float32 bias doubles the tile's bytes: d64 keeps 128-key tiles, d96 to d192 take 64-key
-// ones, and d256 has no room for it. The backward takes it at d96/d128 (two dS^T buffers
-// instead of three), and no bias of the other 16-bit dtype.
+// ones, and d256 has no room for it. The backward takes it from d64 to d128 (at d96/d128 two
+// dS^T buffers instead of three, at d64 64-query tiles), converted (a bias of the other 16-bit
+// dtype) or not.
 TEST(HopperForwardTiles, Float32BiasTakesATileWithRoomForIt) {
   EXPECT_EQ(ForwardTiles(WithBiasF32(Call(64, 4096, 4096))), (Tiles{hopper::kTileDense}));
   for (int64_t head_dim : {96, 128, 192}) {
@@ -197,9 +198,10 @@ TEST(HopperForwardTiles, Float32BiasTakesATileWithRoomForIt) {
   }
   EXPECT_NE(hopper::DenseUnsupportedReason(WithBiasF32(Call(256, 300, 260))).find("shared memory"),
             std::string::npos);
-  EXPECT_EQ(hopper::BackwardDenseUnsupportedReason(WithBiasF32(Call(96, 300, 260))), "");
-  EXPECT_EQ(hopper::BackwardDenseUnsupportedReason(WithBiasF32(Call(128, 300, 260))), "");
-  for (int64_t head_dim : {64, 192, 256}) {
+  for (int64_t head_dim : {64, 96, 128}) {
+    EXPECT_EQ(hopper::BackwardDenseUnsupportedReason(WithBiasF32(Call(head_dim, 300, 260))), "") << head_dim;
+  }
+  for (int64_t head_dim : {192, 256}) {
     EXPECT_NE(hopper::BackwardDenseUnsupportedReason(WithBiasF32(Call(head_dim, 300, 260))).find("shared memory"),
               std::string::npos)
         << head_dim;
@@ -207,7 +209,10 @@ TEST(HopperForwardTiles, Float32BiasTakesATileWithRoomForIt) {
   ForwardCall converted = WithBiasF32(Call(128, 300, 256), /*converts=*/true);
   hopper::PlanFold(1, 1, 1, 1, &converted);
   EXPECT_EQ(hopper::DenseUnsupportedReason(converted), "");
-  EXPECT_NE(hopper::BackwardDenseUnsupportedReason(converted).find("float32"), std::string::npos);
+  EXPECT_EQ(hopper::BackwardDenseUnsupportedReason(converted), "");
+  ForwardCall converted_d192 = WithBiasF32(Call(192, 300, 256), /*converts=*/true);
+  hopper::PlanFold(1, 1, 1, 1, &converted_d192);
+  EXPECT_NE(hopper::BackwardDenseUnsupportedReason(converted_d192).find("float32"), std::string::npos);
   EXPECT_EQ(hopper::BackwardDenseUnsupportedReason(WithBias(Call(128, 300, 264))), "");
 }
 

@@ -77,7 +77,8 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
 # and d256 the forward's 64-key tiles and the backward's tile in the P^T buffer). Keys a
 # multiple of 16, then not (the operand folded into rows padded to 8 elements). A bias of
 # another dtype (the forward's float32 tile): float32 with a mask (folded per batch row), and
-# float16 with bf16 inputs (converted).
+# float16 with bf16 inputs (converted); float32 in deterministic mode (d64: the warpgroups' dQ
+# halves exchanged through shared memory).
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (64, 77, 77), (128, 50, 200),
                                (192, 70, 144), (256, 131, 200)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
@@ -86,6 +87,7 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
     for dense in (dict(bias=bias), dict(attention_mask=mask, causal=True), dict(bias=bias, logits_soft_cap=5.0),
                   dict(bias=bias, causal=True, deterministic=True), dict(attention_mask=mask, deterministic=True),
                   dict(bias=bias.astype(jnp.float32), attention_mask=mask, causal=True),
+                  dict(bias=bias.astype(jnp.float32), causal=True, deterministic=True),
                   dict(bias=bias.astype(jnp.float16), logits_soft_cap=5.0)):
         def dense_loss(q, k, v):
             return jnp.sum(flash_attention(q, k, v, platform="cuda", **dense).astype(jnp.float32) ** 2)
@@ -113,6 +115,13 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
         jax.block_until_ready(jax.grad(own_dtype_loss, argnums=(0, 1, 2, 3))(q, k, v, bias_bh))
         calls += 1
 
+    # The same in the other 16-bit dtype: read as float32 (folded), its gradient in float16.
+    def other_dtype_loss(q, k, v, bias):
+        return jnp.sum(flash_attention(q, k, v, bias=bias, causal=True, platform="cuda").astype(jnp.float32) ** 2)
+
+    jax.block_until_ready(jax.grad(other_dtype_loss, argnums=(0, 1, 2, 3))(q, k, v, bias_bh.astype(jnp.float16)))
+    calls += 1
+
     # A bias and a mask folded into one bias: the mask within the bias's broadcast shape (at
     # once), then crossed broadcasts ([2, 1] with [1, 4]: per batch row).
     for both_mask in (jnp.asarray(rng.random((2, 1, seq_q, seq_k)) > 0.2), mask):
@@ -133,7 +142,7 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
 
     jax.block_until_ready(flash_attention(q, k, v, attention_mask=mask, causal=True, platform="cuda", **ids))
     jax.block_until_ready(jax.grad(segments_dense_loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
-    jax.block_until_ready(flash_attention(q, k, v, bias=bias.astype(jnp.float32), platform="cuda", **ids))
+    jax.block_until_ready(jax.grad(segments_dense_loss, argnums=(0, 1, 2, 3))(q, k, v, bias.astype(jnp.float32)))
     calls += 3
 # Deterministic mode with the gradient of a bias broadcast over the batch, one batch row at a
 # time (a row's grid, 66 kv heads x 2 key blocks, fills the H100's 132 multiprocessors).

@@ -223,8 +223,8 @@ CASES = [
     # tiles from d96, 128-key ones at d64): read as it is (float32, keys a multiple of 4), or
     # folded into float32 (odd keys, a 16-bit bias of the other type, with a mask, per batch
     # row where broadcasts cross); with segment ids. d256 runs it on mma.sync. The backward
-    # takes a float32 bias at d96/d128 (two dS^T buffers), with its gradient stored or summed,
-    # deterministic or not.
+    # takes a float32 bias at d96/d128 (two dS^T buffers) and at d64 (64-query tiles, the
+    # warpgroups' dQ halves exchanged), with its gradient stored or summed, deterministic or not.
     Case("tiles_bias_f32_hopper_causal_gqa_bf16_d128", dtype="bfloat16", batch=2, seq_q=300, seq_k=260, q_heads=4,
          kv_heads=2, head_dim=128, causal=True, bias="BH", bias_dtype="float32"),
     Case("tiles_bias_f32_hopper_odd_keys_softcap_f16_d64", dtype="float16", batch=3, seq_q=333, seq_k=197, q_heads=4,
@@ -235,6 +235,16 @@ CASES = [
          kv_heads=2, head_dim=96, segments=True, sinks=True, bias="B1", bias_dtype="float32"),
     Case("tiles_bias_f32_hopper_deterministic_softcap_bf16_d128", dtype="bfloat16", batch=2, seq_q=260, seq_k=200,
          q_heads=4, kv_heads=2, head_dim=128, soft_cap=5.0, bias="BH", bias_dtype="float32", deterministic=True),
+    Case("tiles_bias_f32_hopper_deterministic_causal_gqa_bf16_d64", dtype="bfloat16", batch=2, seq_q=333,
+         seq_k=264, q_heads=4, kv_heads=2, causal=True, bias="BH", bias_dtype="float32", deterministic=True),
+    Case("tiles_bias_f32_hopper_segments_window_f16_d64", dtype="float16", batch=2, seq_q=200, seq_k=264,
+         q_heads=2, kv_heads=1, window=(60, 10), segments=True, bias="B1", bias_dtype="float32"),
+    # A bias of the other 16-bit dtype with a plane per (batch, head): its gradient is written
+    # in its own dtype (Hopper backward up to d128, converted; mma.sync at d192).
+    Case("tiles_bias_f16_hopper_dbias_causal_gqa_bf16_d128", dtype="bfloat16", batch=2, seq_q=200, seq_k=264,
+         q_heads=4, kv_heads=2, head_dim=128, causal=True, bias="BH", bias_dtype="float16"),
+    Case("tiles_bias_bf16_mma_dbias_window_f16_d192", dtype="float16", batch=1, seq_q=130, seq_k=200, q_heads=2,
+         kv_heads=1, head_dim=192, window=(60, 10), bias="BH", bias_dtype="bfloat16"),
     Case("tiles_bias_f32_mma_bf16_d256", dtype="bfloat16", batch=1, seq_q=130, seq_k=136, q_heads=2, kv_heads=1,
          head_dim=256, bias="11", bias_dtype="float32"),
     # At d192 and d256 the Hopper forward takes 64-key tiles (a mask's tile reads half of a
@@ -510,9 +520,10 @@ def assert_close(name: str, got, want, same_dtype, terms: int = 1, allowance=0.0
     sums of terms), in max norm; infinities must match. The same-dtype error counts at least
     the rounding of its result (half of the dtype's epsilon at the largest magnitude): an
     output of a few elements, such as a sink's gradient per head, can land closer than that by
-    chance. `allowance` (per element) is what the flash backward's delta may add to a
-    gradient's error (reference_grads' delta_error)."""
-    eps = float(jnp.finfo(same_dtype.dtype).eps)
+    chance; and where `got` has the coarser dtype (the gradient of a bf16 bias with f16
+    inputs), its rounding to that dtype. `allowance` (per element) is what the flash
+    backward's delta may add to a gradient's error (reference_grads' delta_error)."""
+    eps = max(float(jnp.finfo(same_dtype.dtype).eps), float(jnp.finfo(got.dtype).eps))
     got, want, approx = (np.asarray(x, np.float64) for x in (got, want, same_dtype))
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     assert not np.isnan(got).any(), f"{name}: NaN at {np.argwhere(np.isnan(got))[:5].tolist()}"
@@ -611,7 +622,7 @@ def random_case(rng: np.random.Generator, name: str, max_len: int, max_scores: f
         soft_cap=float(rng.uniform(2.0, 10.0)) if rng.random() < 0.2 else None,
         sinks=bool(rng.random() < 0.25),
         bias=str(rng.choice(["BH", "B1", "1H", "11"])) if rng.random() < 0.12 else None,
-        bias_dtype="float32" if rng.random() < 0.3 else None,
+        bias_dtype=str(rng.choice(["float32", "bfloat16", "float16"])) if rng.random() < 0.4 else None,
         mask=str(rng.choice(["BH", "B1", "1H", "11"])) if rng.random() < 0.1 else None,
         segments=segments or False, varlen=varlen,
         dropout=float(rng.uniform(0.05, 0.4)) if rng.random() < 0.1 else 0.0,

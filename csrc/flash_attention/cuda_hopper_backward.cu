@@ -490,12 +490,10 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.dbias_stride_b = kp.dbias_stride_h = 0;
   kp.dbias_atomic = 0;
   kp.dbias_f32 = 1;
-  kp.dbias_f16 = 0;
   if (p.dbias.present()) {
     const int64_t plane = d.seqlen_q * d.seqlen_k;
     kp.dbias = p.dbias.data;
     kp.dbias_f32 = p.dbias.dtype == DType::kF32;
-    kp.dbias_f16 = p.dbias.dtype == DType::kF16;
     kp.dbias_stride_h = p.dbias.dim(1) > 1 ? plane : 0;
     kp.dbias_stride_b = p.dbias.dim(0) > 1 ? p.dbias.dim(1) * plane : 0;
     kp.dbias_atomic = DbiasSummed(p, d) || shared.dbias_shared;

@@ -339,9 +339,10 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (!HeadDimBuilt(dims.head_dim)) {
     return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
   }
+  const hopper::ForwardCall call = hopper::ForwardCallOf(f, dims);
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.
-    if (std::string why = hopper::BackwardDenseUnsupportedReason(hopper::ForwardCallOf(f, dims)); !why.empty()) {
+    if (std::string why = hopper::BackwardDenseUnsupportedReason(call); !why.empty()) {
       return no(why);
     }
     if (p.deterministic && p.dbias.present() && p.dbias.dim(1) != dims.num_q_heads) {
@@ -358,9 +359,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
-  if (hopper_backward::ScratchFor(dims, hopper_backward::HasSegments(p), p.deterministic,
-                                 hopper::ForwardCallOf(f, dims).bias_f32)
-          .rows >= (int64_t{1} << 31)) {
+  if (hopper_backward::ScratchFor(dims, call.segment_ids, p.deterministic, call.bias_f32).rows >= (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv, &f.bias, &f.mask}) {

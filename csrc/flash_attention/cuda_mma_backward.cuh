@@ -442,7 +442,8 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
                 ElementGrad<kGeneral>(f, s, check, b, h, i0 + qi, j0 + kj, stats[qi], stats[C::kBlockQ + qi], seed,
                                       kGeneral ? bias[n][e] : 0.0f, kGeneral ? shown[n][e] : true, sc[n][e], dp[n][e]);
             if constexpr (kGeneral) {
-              if (write_dbias && dlogit != 0.0f) {
+              // Every element inside the sequence, zeros included (the Hopper backward's rule).
+              if (write_dbias && i0 + qi < s.q_len && j0 + kj < s.k_len) {
                 const int64_t at = b * f.bias_stride_b + h * f.bias_stride_h +
                                    static_cast<int64_t>(s.q_begin + i0 + qi) * Sk + s.k_begin + j0 + kj;
                 if (a.dbias_atomic) {

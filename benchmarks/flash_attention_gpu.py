@@ -126,6 +126,8 @@ def extra_cases() -> list[Case]:
         # A bias with a mask shared by every batch row and head.
         Case("bias_mask", 4, 4096, 16, 128, dense="bias_mask"),
         Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),
+        Case("bias_mask_d64", 4, 4096, 32, 64, dense="bias_mask"),
+        Case("dbias_mask_d64", 4, 4096, 32, 64, dense="bias_mask", dense_grad=True),
     ]
 
 

@@ -875,33 +875,70 @@ def test_deterministic_backward_repeats_bitwise(impl, case: Case, rng):
         np.testing.assert_array_equal(np.asarray(grads1[name]), np.asarray(grads2[name]), err_msg=f"d{name}")
 
 
-def test_vmap(impl, rng):
-    """vmap over an extra leading axis, of the forward and of per-example gradients."""
-    case = Case("vmap", batch=1, seq_q=37, seq_k=50, causal=True, bias="1H", sinks=True)
+# (case, inputs mapped by vmap (None: all), whether the native forward and backward fold the
+# mapped axis into the batch: one call, not a loop over the mapped elements).
+VMAP_CASES = [
+    (Case("vmap_sinks", batch=1, seq_q=37, seq_k=50, causal=True, bias="1H", sinks=True), None, False, False),
+    (Case("vmap_bias_per_row", seq_q=45, seq_k=70, causal=True, bias="BH"), None, True, True),
+    (Case("vmap_shared_kv_and_bias", seq_q=40, seq_k=56, bias="1H", bias_constant=True, mask="1H", segments=True),
+     {"query", "q_segment_ids", "kv_segment_ids"}, True, True),
+    (Case("vmap_shared_bias_grad", seq_q=40, seq_k=56, bias="11", window=(9, 4)),
+     {"query", "key", "value"}, True, False),
+    (Case("vmap_dropout", seq_q=40, seq_k=56, dropout=0.2), None, False, False),
+]
+
+
+@pytest.mark.parametrize("case,mapped,folds_forward,folds_backward", VMAP_CASES, ids=lambda c: getattr(c, "name", ""))
+def test_vmap(impl, rng, case, mapped, folds_forward, folds_backward):
+    """vmap of the forward and of per-example gradients, over some inputs (the others shared),
+    against one call per mapped element; the native kernels fold the mapped axis into the batch
+    where that gives the same result."""
     case = impl.adapt(case)
     impl.require(*case.features())
-    inputs = [make_inputs(case, rng) for _ in range(3)]
-    static = inputs[0][4]
-    q, k, v, arrays = jax.tree.map(lambda *xs: jnp.stack(xs), *[x[:4] for x in inputs])
+    made = [make_inputs(case, rng) for _ in range(3)]
+    static = made[0][4]
+    flat = [{"query": q, "key": k, "value": v, **arrays} for q, k, v, arrays, _ in made]
+    is_mapped = {name: mapped is None or name in mapped for name in flat[0]}
+    # Each element's inputs, the shared ones element 0's; the vmapped call's, stacked where mapped.
+    per_element = [{name: x if is_mapped[name] else flat[0][name] for name, x in e.items()} for e in flat]
+    stacked = {name: jnp.stack([e[name] for e in flat]) if is_mapped[name] else flat[0][name] for name in flat[0]}
+
+    def split(inputs):
+        return inputs["query"], inputs["key"], inputs["value"], {
+            n: x for n, x in inputs.items() if n not in ("query", "key", "value")}
+
+    args = split(stacked)
+    q_axis, k_axis, v_axis, array_axes = split({name: 0 if on else None for name, on in is_mapped.items()})
+    in_axes = (q_axis, k_axis, v_axis, array_axes)
+    constant = {"bias"} if case.bias_constant else set()
 
     def attention(q, k, v, arrays):
         return impl.fn(q, k, v, **arrays, **static)
 
-    def loss(q, k, v, arrays):
-        out, lse = attention(q, k, v, arrays)
-        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    def loss(q, k, v, arrays, differentiated):
+        out, lse = attention(q, k, v, {**arrays, **differentiated})
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    got_out, got_lse = jax.jit(jax.vmap(attention))(q, k, v, arrays)
-    for n, (qn, kn, vn, an, _) in enumerate(inputs):
-        out, lse = forward(impl.fn, qn, kn, vn, an, static)
+    def grad(q, k, v, arrays):
+        fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE or n in constant}
+        free = {n: x for n, x in arrays.items() if n not in fixed}
+        return jax.grad(loss, argnums=(0, 1, 2, 4))(q, k, v, fixed, free)
+
+    if impl.name != "xla":  # one FFI call, or a loop over the mapped elements
+        assert ("scan" not in str(jax.make_jaxpr(jax.vmap(attention, in_axes))(*args))) == folds_forward
+        if impl.supports("backward"):
+            backward = str(jax.make_jaxpr(jax.vmap(grad, in_axes))(*args))
+            assert backward.count("scan") == (not folds_forward) + (not folds_backward)
+    got_out, got_lse = jax.jit(jax.vmap(attention, in_axes))(*args)
+    for n, e in enumerate(per_element):
+        out, lse = forward(impl.fn, *split(e), static)
         assert_same("out", got_out[n], out)
         assert_same("lse", got_lse[n], lse)
     if not impl.supports("backward"):
         return
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-    got = jax.jit(jax.vmap(grad))(q, k, v, arrays)
-    for n, (qn, kn, vn, an, _) in enumerate(inputs):
-        want = jax.tree.leaves(jax.jit(grad)(qn, kn, vn, an))
+    got = jax.jit(jax.vmap(grad, in_axes))(*args)
+    for n, e in enumerate(per_element):
+        want = jax.tree.leaves(jax.jit(grad)(*split(e)))
         for leaf, (a, b) in enumerate(zip(jax.tree.leaves(got), want)):
             assert_same(f"gradient leaf {leaf}", a[n], b)
 

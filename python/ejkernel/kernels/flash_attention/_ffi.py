@@ -120,26 +120,140 @@ def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((_native.workspace_bytes(OP, static.platform, pass_, signature),), jnp.uint8)
 
 
-# One function per static (which holds the call's shapes): bounded, so that a process seeing
-# many shapes does not keep every one; an evicted entry is only rebuilt.
-@functools.lru_cache(maxsize=1024)
-def _attention_fn(static: _Static):
-    fwd_target = f"ejkernel_flash_attention_fwd_{static.platform}"
-    bwd_target = f"ejkernel_flash_attention_bwd_{static.platform}"
+# Operand positions in the calls' argument lists (after q, k, v in the forward; after q, k, v,
+# out, dout, lse, dlse in the backward).
+_BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = range(8)
 
-    def forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
+
+def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
+            rows: list[int], first_optional: int) -> tuple[_Static, list[Any]] | None:
+    """A vmapped call as one call over axis_size * batch rows: the static and arguments, or
+    None where folding would change the result (dropout draws by batch row, the sinks'
+    gradient sums over rows, packed sequences have one row) or copy a bias or mask for every
+    mapped element. args[i] for i in `rows` is [batch, ...]; the optional operands start
+    at first_optional; every other argument must be unbatched."""
+    if static.dropout_prob > 0.0 or operands & (_HAS_CU_SEQLENS | _HAS_AUX):
+        return None
+    batch = args[rows[0]].shape[int(in_batched[rows[0]])]
+    signature = json.loads(static.signature)
+    signature["batch"] = axis_size * batch
+    per_row = list(rows)
+    if operands & _HAS_SEGMENT_IDS:
+        per_row += [first_optional + _SEG_Q, first_optional + _SEG_KV]
+    folded = list(args)
+    for i in per_row:
+        x = args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+        folded[i] = x.reshape(axis_size * batch, *x.shape[2:])
+    dense = [(first_optional + _BIAS, _HAS_BIAS, "bias_shape"), (first_optional + _MASK, _HAS_MASK, "mask_shape")]
+    for i, bit, key in dense:
+        if not operands & bit:
+            continue
+        if in_batched[i]:
+            if args[i].shape[1] != batch:  # a [1, ...] operand of a batch > 1 would be copied per row
+                return None
+            folded[i] = args[i].reshape(axis_size * batch, *args[i].shape[2:])
+            signature[key] = list(folded[i].shape)
+        elif args[i].shape[0] != 1:  # the same [batch, ...] operand for every mapped element
+            return None
+    handled = set(per_row) | {i for i, bit, _ in dense if operands & bit}
+    if any(b and i not in handled for i, b in enumerate(in_batched)):
+        return None
+    return dataclasses.replace(static, signature=json.dumps(signature, sort_keys=True)), folded
+
+
+def _map_sequentially(fn, axis_size: int, in_batched: list[bool], args: list[Any]):
+    """One call per mapped element (what the FFI call's own vmap does)."""
+    batched = [i for i, b in enumerate(in_batched) if b]
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(batched, xs):
+            full[i] = x
+        return fn(*full)
+
+    outs = jax.lax.map(one, [args[i] for i in batched])
+    return outs, jax.tree.map(lambda _: True, outs)
+
+
+def _unfold(x: Any, axis_size: int) -> Any:
+    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+
+
+# One function per static (which holds the call's shapes): bounded, so that a process seeing
+# many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
+# call runs once over the mapped elements' rows folded into its batch where that gives the
+# same result (_folded), else once per element.
+@functools.lru_cache(maxsize=1024)
+def _forward_call(static: _Static):
+    target = f"ejkernel_flash_attention_fwd_{static.platform}"
+
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v, *optional):
         b, sq, hq, _ = q.shape
-        call = jax.ffi.ffi_call(
-            fwd_target,
+        out, lse, _ = jax.ffi.ffi_call(
+            target,
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
                 _workspace(static, "forward"),
             ),
-            vmap_method="sequential",
+        )(q, k, v, *optional, **static.attributes(static.operands))
+        return out, lse
+
+    @call.def_vmap
+    def call_vmap(axis_size, in_batched, *args):
+        folded = _folded(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], 3)
+        if folded is None:
+            return _map_sequentially(call, axis_size, in_batched, args)
+        out, lse = _forward_call(folded[0])(*folded[1])
+        return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
+
+    return call
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_call(static: _Static, operands: int):
+    target = f"ejkernel_flash_attention_bwd_{static.platform}"
+    wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
+
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v, out, dout, lse, dlse, *optional):
+        bias, aux = optional[_BIAS], optional[_AUX]
+        results = (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(bias.shape, _dbias_dtype(bias, q)) if wants_dbias
+            else jax.ShapeDtypeStruct((0,), jnp.float32),
+            jax.ShapeDtypeStruct(aux.shape, jnp.float32),
+            _workspace(static, "backward"),
         )
+        *grads, _ = jax.ffi.ffi_call(target, results)(
+            q, k, v, out, dout, lse, dlse, *optional, **static.attributes(operands)
+        )
+        return tuple(grads)
+
+    @call.def_vmap
+    def call_vmap(axis_size, in_batched, *args):
+        rows = [0, 1, 2, 3, 4, 5] + ([6] if operands & _HAS_DLSE else [])  # else dlse is a placeholder
+        # The gradient of a bias that the mapped elements share is one sum per element.
+        shared_dbias = wants_dbias and not in_batched[7 + _BIAS]
+        folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
+        if folded is None:
+            return _map_sequentially(call, axis_size, in_batched, args)
+        dq, dk, dv, dbias, daux = _backward_call(folded[0], operands)(*folded[1])
+        grads = (_unfold(dq, axis_size), _unfold(dk, axis_size), _unfold(dv, axis_size),
+                 _unfold(dbias, axis_size) if wants_dbias else dbias, daux)
+        return grads, (True, True, True, wants_dbias, False)
+
+    return call
+
+
+@functools.lru_cache(maxsize=1024)
+def _attention_fn(static: _Static):
+    def forward(q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed):
         optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
-        out, lse, _ = call(q, k, v, *optional, **static.attributes(static.operands))
+        out, lse = _forward_call(static)(q, k, v, *optional)
         inputs = (q, k, v, bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
         return _vary_like(out, *inputs), _vary_like(lse, *inputs)
 
@@ -176,28 +290,9 @@ def _attention_fn(static: _Static):
         wants_dbias = bias_grad is not None  # never without a bias
         if bias is not None and not wants_dbias:
             operands |= _NO_BIAS_GRAD
-        results = [
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((0,), jnp.float32)
-            if not wants_dbias
-            else jax.ShapeDtypeStruct(bias.shape, _dbias_dtype(bias, q)),
-            jax.ShapeDtypeStruct(aux.shape if aux is not None else (0,), jnp.float32),
-            _workspace(static, "backward"),
-        ]
-        call = jax.ffi.ffi_call(bwd_target, results, vmap_method="sequential")
         optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
-        dq, dk, dv, dbias, daux, _ = call(
-            q,
-            k,
-            v,
-            out,
-            dout.astype(q.dtype),
-            lse,
-            dlse.astype(jnp.float32),
-            *optional,
-            **static.attributes(operands),
+        dq, dk, dv, dbias, daux = _backward_call(static, operands)(
+            q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), *optional
         )
         inputs = (q, k, v, bias, aux, dout, dlse)
         return (

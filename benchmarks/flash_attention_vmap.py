@@ -1,0 +1,56 @@
+"""jax.vmap of flash_attention: the native call with the mapped axis folded into its batch,
+against one call per mapped element (jax.lax.map) and one call over the same batch directly.
+
+    python3 benchmarks/flash_attention_vmap.py          # cuda: 16 x [1, 1024, 16, 128] bf16
+    python3 benchmarks/flash_attention_vmap.py cpu      # cpu: 8 x [1, 256, 4, 64] float32
+
+Causal forward, and forward+backward of a sum of squares; best of three rounds of calls.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.modules import flash_attention
+
+
+def timed_ms(fn, *args, reps: int) -> float:
+    fn = jax.jit(fn)
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / reps * 1e3)
+    return best
+
+
+def main() -> None:
+    platform = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    mapped, seq, heads, head_dim = (16, 1024, 16, 128) if platform == "cuda" else (8, 256, 4, 64)
+    dtype = jnp.bfloat16 if platform == "cuda" else jnp.float32
+    reps = 20 if platform == "cuda" else 3
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((mapped, 1, seq, heads, head_dim)), dtype) for _ in range(3))
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, causal=True, platform=platform)
+
+    grads = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    for name, fn in (("forward", attention), ("forward+backward", grads)):
+        folded = timed_ms(jax.vmap(fn), q, k, v, reps=reps)
+        per_element = timed_ms(lambda q, k, v, fn=fn: jax.lax.map(lambda x: fn(*x), (q, k, v)), q, k, v, reps=reps)
+        direct = timed_ms(fn, q[:, 0], k[:, 0], v[:, 0], reps=reps)
+        print(f"{platform} {name} {mapped} x [1, {seq}, {heads}, {head_dim}]: vmap {folded:.3f} ms, "
+              f"one call per element {per_element:.3f} ms, batch {mapped} directly {direct:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

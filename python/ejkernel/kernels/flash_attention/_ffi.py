@@ -128,11 +128,11 @@ _BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = range(8)
 def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
             rows: list[int], first_optional: int) -> tuple[_Static, list[Any]] | None:
     """A vmapped call as one call over axis_size * batch rows: the static and arguments, or
-    None where folding would change the result (dropout draws by batch row, the sinks'
-    gradient sums over rows, packed sequences have one row) or copy a bias or mask for every
-    mapped element. args[i] for i in `rows` is [batch, ...]; the optional operands start
-    at first_optional; every other argument must be unbatched."""
-    if static.dropout_prob > 0.0 or operands & (_HAS_CU_SEQLENS | _HAS_AUX):
+    None where folding would change the result (dropout draws by batch row, packed sequences
+    have one row) or copy a bias or mask for every mapped element. args[i] for i in `rows` is
+    [batch, ...]; the optional operands start at first_optional; every other argument (the
+    sinks included) must be unbatched."""
+    if static.dropout_prob > 0.0 or operands & _HAS_CU_SEQLENS:
         return None
     batch = args[rows[0]].shape[int(in_batched[rows[0]])]
     signature = json.loads(static.signature)
@@ -236,9 +236,10 @@ def _backward_call(static: _Static, operands: int):
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
         rows = [0, 1, 2, 3, 4, 5] + ([6] if operands & _HAS_DLSE else [])  # else dlse is a placeholder
-        # The gradient of a bias that the mapped elements share is one sum per element.
-        shared_dbias = wants_dbias and not in_batched[7 + _BIAS]
-        folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
+        # The gradients of the sinks and of a bias that the mapped elements share are sums over
+        # rows: one per element.
+        sums_rows = operands & _HAS_AUX or (wants_dbias and not in_batched[7 + _BIAS])
+        folded = None if sums_rows else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
         if folded is None:
             return _map_sequentially(call, axis_size, in_batched, args)
         dq, dk, dv, dbias, daux = _backward_call(folded[0], operands)(*folded[1])

@@ -120,9 +120,9 @@ def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((_native.workspace_bytes(OP, static.platform, pass_, signature),), jnp.uint8)
 
 
-# Operand positions in the calls' argument lists (after q, k, v in the forward; after q, k, v,
-# out, dout, lse, dlse in the backward).
-_BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = range(8)
+# Positions in _optional_operands' list of the operands a vmap rule looks at (the list follows
+# q, k, v in the forward; q, k, v, out, dout, lse, dlse in the backward).
+_BIAS, _MASK, _AUX, _SEG_Q, _SEG_KV = 0, 1, 2, 5, 6
 
 
 def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],

@@ -100,7 +100,10 @@ def test_cuda_workspace_too_small_is_an_error(pass_, monkeypatch, rng):
         return nbytes - 256 if p == pass_ and nbytes > 0 else nbytes
 
     monkeypatch.setattr(_ffi._native, "workspace_bytes", short)
+    # Executables compiled with another test's sizes (the other pass's, shortened) must not
+    # be reused: JAX caches them by the traced function, whose workspace shapes it baked in.
     _ffi._attention_fn.cache_clear()
+    jax.clear_caches()
     try:
         q, k, v = (jnp.asarray(rng.standard_normal((1, 200, 2, 128)), jnp.bfloat16) for _ in range(3))
         ids = jnp.asarray(np.repeat(np.arange(4), 50)[None], jnp.int32)
@@ -113,6 +116,7 @@ def test_cuda_workspace_too_small_is_an_error(pass_, monkeypatch, rng):
             jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
     finally:
         _ffi._attention_fn.cache_clear()
+        jax.clear_caches()
 
 
 # Run in a process of its own: XLA reads its flags once. XLA's default command-buffer types

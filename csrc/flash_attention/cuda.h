@@ -58,7 +58,7 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
 // HopperSupports says which calls they take on `device`; the rest run on the mma.sync kernels.
 // HopperSupportsKind is the part of it that depends only on the dtype, the shapes and the
 // features (the registry asks it of a call's signature).
-Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dropout, const CudaDeviceInfo& device);
+Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, const CudaDeviceInfo& device);
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device);
 // `cfg` picks one of hopper::ForwardTiles for the call (any other config runs the default).
 Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

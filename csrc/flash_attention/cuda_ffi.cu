@@ -79,12 +79,11 @@ StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) 
 // the launch can be captured into a command buffer. Where the Hopper kernels take the call on
 // this device, their scratch (segment ranges, a folded bias: hopper::PlanFold); the
 // backward takes the larger of its two kernels' needs, which one runs being decided per call.
-size_t ForwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool dropout) {
-  return HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok() ? ForwardHopperScratchBytes(dims, call) : 0;
+size_t ForwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call) {
+  return HopperSupportsKind(dtype, call, CurrentCudaDevice()).ok() ? ForwardHopperScratchBytes(dims, call) : 0;
 }
-size_t BackwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool dropout,
-                              bool deterministic) {
-  const bool hopper_takes = HopperSupportsKind(dtype, call, dropout, CurrentCudaDevice()).ok() &&
+size_t BackwardWorkspaceBytes(DType dtype, const Dims& dims, const hopper::ForwardCall& call, bool deterministic) {
+  const bool hopper_takes = HopperSupportsKind(dtype, call, CurrentCudaDevice()).ok() &&
                            hopper::BackwardDenseUnsupportedReason(call).empty();
   const size_t hopper = hopper_takes ? BackwardHopperScratchBytes(dims, call, deterministic) : 0;
   return std::max(hopper, BackwardMmaScratchBytes(dims, deterministic));
@@ -124,8 +123,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   EJK_FFI_ASSIGN_OR_RETURN(args.scratch,
                            WorkspaceOf(*workspace,
                                        ForwardWorkspaceBytes(args.p.q.dtype, args.dims,
-                                                             hopper::ForwardCallOf(args.p, args.dims),
-                                                             dropout_prob > 0.0f),
+                                                             hopper::ForwardCallOf(args.p, args.dims)),
                                        "forward"));
   if (HopperSupports(args.p, args.dims, CurrentCudaDevice()).ok()) return ToFfiError(ForwardHopper(args, cfg, stream));
   return ToFfiError(ForwardMma(args, cfg, stream));
@@ -169,7 +167,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       void* scratch,
       WorkspaceOf(*workspace,
                   BackwardWorkspaceBytes(p.fwd.q.dtype, args.dims, hopper::ForwardCallOf(p.fwd, args.dims),
-                                         dropout_prob > 0.0f, p.deterministic),
+                                         p.deterministic),
                   "backward"));
   if (HopperBackwardSupports(p, args.dims, CurrentCudaDevice()).ok()) {
     return ToFfiError(BackwardHopper(args, scratch, stream));
@@ -207,6 +205,7 @@ hopper::ForwardCall ForwardCallOfSignature(const nlohmann::json& signature) {
   call.window_right = signature.value("window_right", int64_t{-1});
   call.soft_cap = HasFeature(signature, "logits_soft_cap");
   call.segment_ids = HasFeature(signature, "segment_ids");
+  call.dropout = HasFeature(signature, "dropout");
   call.bias = HasFeature(signature, "bias");
   call.mask = HasFeature(signature, "attention_mask");
   const std::string bias_dtype = signature.value("bias_dtype", dtype_name);
@@ -233,11 +232,9 @@ StatusOr<int64_t> CudaWorkspaceBytes(const nlohmann::json& signature, const std:
   DType dtype;
   if (!DTypeFromName(signature.value("dtype", std::string()), &dtype)) return int64_t{0};  // no CUDA kernel takes it
   const hopper::ForwardCall call = ForwardCallOfSignature(signature);
-  const bool dropout = HasFeature(signature, "dropout");
-  if (pass == "forward") return static_cast<int64_t>(ForwardWorkspaceBytes(dtype, dims, call, dropout));
+  if (pass == "forward") return static_cast<int64_t>(ForwardWorkspaceBytes(dtype, dims, call));
   if (pass == "backward") {
-    return static_cast<int64_t>(
-        BackwardWorkspaceBytes(dtype, dims, call, dropout, signature.value("deterministic", false)));
+    return static_cast<int64_t>(BackwardWorkspaceBytes(dtype, dims, call, signature.value("deterministic", false)));
   }
   return Status::InvalidArgument("flash attention workspace: pass must be 'forward' or 'backward', got '" + pass + "'");
 }
@@ -286,7 +283,7 @@ std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
   DType dtype;
   if (!UnsupportedReason(dtype_name, head_dim).empty() || !DTypeFromName(dtype_name, &dtype)) return {};
   const hopper::ForwardCall call = ForwardCallOfSignature(signature);
-  if (HopperSupportsKind(dtype, call, HasFeature(signature, "dropout"), CurrentCudaDevice()).ok()) {
+  if (HopperSupportsKind(dtype, call, CurrentCudaDevice()).ok()) {
     std::vector<CudaConfig> tiles;
     for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());
     return tiles;

@@ -24,6 +24,7 @@ namespace hopper_backward {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
 extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDropout<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -31,6 +32,7 @@ extern template Status LaunchBiasF32<64>(const KernelParams&, bool, bool, Elemen
 #if EJK_FA_HEAD_DIM_ENABLED(96)
 extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDropout<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -38,6 +40,7 @@ extern template Status LaunchBiasF32<96>(const KernelParams&, bool, bool, Elemen
 #if EJK_FA_HEAD_DIM_ENABLED(128)
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDropout<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -45,12 +48,14 @@ extern template Status LaunchBiasF32<128>(const KernelParams&, bool, bool, Eleme
 #if EJK_FA_HEAD_DIM_ENABLED(192)
 extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<192>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDropout<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
 #if EJK_FA_HEAD_DIM_ENABLED(256)
 extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<256>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDropout<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
@@ -271,12 +276,13 @@ Status LastLaunch(const char* what) {
                           cudaGetErrorString(err));
 }
 
-// Segment ids, a bias or a mask take their own kernels (compiled in
-// cuda_hopper_backward_segments_hdim*.cu, cuda_hopper_backward_dense_hdim*.cu and
-// cuda_hopper_backward_bias_f32_hdim*.cu).
+// Segment ids, a bias, a mask or dropout take their own kernels (compiled in
+// cuda_hopper_backward_segments_hdim*.cu, cuda_hopper_backward_dense_hdim*.cu,
+// cuda_hopper_backward_bias_f32_hdim*.cu and cuda_hopper_backward_dropout_hdim*.cu).
 template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
+  if (kp.dropout_seed != nullptr) return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
   if (Has(feature, Elementwise::kBiasF32)) {
     if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {
       return LaunchBiasF32<kHeadDim>(kp, f16, softcap, feature, batch, stream);
@@ -354,7 +360,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
                 "fills the GPU (num_kv_heads * key blocks >= multiprocessors)");
     }
   }
-  if (f.dropout_prob > 0.0f) return no("dropout is not supported");
+  if (std::string why = hopper::DropoutUnsupportedReason(call); !why.empty()) return no(why);
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
@@ -483,6 +489,13 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;
   kp.dq_turns = nullptr;
+  const bool dropout = f.dropout_prob > 0.0f;
+  if (dropout && args.dropout_seed == nullptr) {
+    return Status::InvalidArgument("hopper flash attention backward: dropout needs the seed (CudaBackwardArgs::dropout_seed)");
+  }
+  kp.dropout_seed = dropout ? args.dropout_seed : nullptr;
+  kp.dropout_shifted_threshold = dropout ? DropoutThreshold(f.dropout_prob) << 8 : 0u;
+  kp.dropout_scale = dropout ? 1.0f / (1.0f - f.dropout_prob) : 1.0f;
   EJK_RETURN_IF_ERROR(hopper::PrepareDenseOperand(f, block_m, &kp.dense));
   kp.batch_inner = hopper::DenseSharedAcrossBatch(kp.dense, d);
   kp.dbias = nullptr;

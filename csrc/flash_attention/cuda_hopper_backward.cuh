@@ -231,6 +231,10 @@ struct KernelParams {
   // num_m_blocks, 2], how many key blocks have added their dQ (zeroed before the launch). See
   // "Deterministic dQ" in the kernel.
   int* dq_turns;
+  // kDropout kernels: the seed (a device scalar), DropoutThreshold << 8 and 1 / (1 - p).
+  const uint32_t* dropout_seed;
+  uint32_t dropout_shifted_threshold;
+  float dropout_scale;
 };
 
 template <int kHeadDim>
@@ -453,6 +457,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   constexpr bool kSegments = L::kSegments;
   constexpr bool kMask = Has(kFeature, Elementwise::kMask);
   constexpr bool kBiasGrad = Has(kFeature, Elementwise::kBiasWithGrad);
+  constexpr bool kDropout = Has(kFeature, Elementwise::kDropout);
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kColBlocks = L::kColBlocks;
@@ -659,20 +664,36 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // P^T and dS^T (of q.k) from the recomputed S^T and dP^T (masks are applied by the caller);
   // dlogit gets the logit's gradient, which is also the bias's. Under a soft cap a bias comes
   // after it (semantics.h), in the capped score's units (bias_after_cap, dense kernels only).
+  // z: dropout's multiplier of the element (0 or 1 / (1 - p); 1 without dropout): sc becomes
+  // dropout(P) for dV, and dP the gradient of the kept probability.
   constexpr bool kBiasAfterCap = kSoftcap && L::Dense::kBias;
-  const auto prob_and_grad = [&](float& sc, float& dp, float l, float d, float bias_after_cap, float& dlogit) {
+  const auto prob_and_grad = [&](float& sc, float& dp, float l, float d, float bias_after_cap, float z,
+                                 float& dlogit) {
     float pv, ds;
     if constexpr (kSoftcap) {
       const float t = Tanh(sc * p.softcap_pre);
       pv = Exp2(fmaf(kBiasAfterCap ? t + bias_after_cap : t, p.logit_scale, -l));
-      dlogit = pv * (dp - d);
+      dlogit = pv * (kDropout ? fmaf(dp, z, -d) : dp - d);
       ds = dlogit * (1.0f - t * t);
     } else {
       pv = Exp2(fmaf(sc, p.logit_scale, -l));
-      ds = dlogit = pv * (dp - d);
+      ds = dlogit = pv * (kDropout ? fmaf(dp, z, -d) : dp - d);
     }
-    sc = pv;
+    sc = kDropout ? pv * z : pv;
     dp = ds;
+  };
+  // Dropout: the seed, and the element multiplier of (query, key row r of this thread) given
+  // the query's DropoutRowKey; queries and keys are local to the sequence, hashed as packed
+  // indices of the batch row.
+  const uint32_t dropout_seed = kDropout ? __ldg(p.dropout_seed) : 0u;
+  const auto dropout_row_key = [&](uint32_t head_key, int query) {
+    return Fmix32(static_cast<uint32_t>(q_begin + query) ^ head_key);
+  };
+  const auto dropout_z = [&](uint32_t row_key, int r) {
+    return DropoutKeepShifted(row_key, static_cast<uint32_t>(k_begin + n0 + key_row + 8 * r),
+                              p.dropout_shifted_threshold)
+               ? p.dropout_scale
+               : 0.0f;
   };
   // Whether key (of the block) is hidden from query (of the tile), for tiles on a mask
   // boundary, at the sequence end, or holding rows of other sequences (packed sequences: their
@@ -805,6 +826,10 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     const int s = it % L::kStages;
     const uint32_t phase = (it / L::kStages) & 1;
     const int m0 = (m_lo + it % m_count) * kBlockM - q_begin;  // local to the sequence
+    const uint32_t head_key =
+        kDropout ? DropoutHeadKey(dropout_seed, static_cast<uint32_t>(batch * p.num_q_heads + kv_head * p.group +
+                                                                      it / m_count))
+                 : 0u;
     if constexpr (kSplitQueries) {
       // S^T and dP^T for the block's 64 keys x this warpgroup's 32 queries.
       float sc[16], dp[16];
@@ -881,6 +906,11 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const float2 l2 = *reinterpret_cast<const float2*>(lse + q_col);
         const float2 d2 = *reinterpret_cast<const float2*>(delta + q_col);
         const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + q_col) : int2{};
+        uint32_t row_keys[2] = {0u, 0u};
+        if constexpr (kDropout) {
+          row_keys[0] = dropout_row_key(head_key, m0 + q_col);
+          row_keys[1] = dropout_row_key(head_key, m0 + q_col + 1);
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -888,7 +918,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
             const int i = 4 * j + 2 * r + c;
             float dlogit;
             prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, kBiasAfterCap ? bias_after_cap[i] : 0.0f,
-                          dlogit);
+                          kDropout ? dropout_z(row_keys[c], r) : 1.0f, dlogit);
             if (masked && (hidden(n0 + key_row + 8 * r, m0 + q_col + c) | other_segment(c ? ids.y : ids.x, r) |
                            (kMask && !((shown >> i) & 1u)))) {
               sc[i] = dp[i] = dlogit = 0.0f;
@@ -991,6 +1021,11 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
         const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
         const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + 8 * j + 2 * t4) : int2{};
+        uint32_t row_keys[2] = {0u, 0u};
+        if constexpr (kDropout) {
+          row_keys[0] = dropout_row_key(head_key, m0 + 8 * j + 2 * t4);
+          row_keys[1] = dropout_row_key(head_key, m0 + 8 * j + 2 * t4 + 1);
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -1022,7 +1057,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
               asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(shown) : "r"(dense_at(j, r, c)) : "memory");
               hidden_by_mask = shown == 0;
             }
-            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, bias_after_cap, dlogit);
+            prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, bias_after_cap,
+                          kDropout ? dropout_z(row_keys[c], r) : 1.0f, dlogit);
             if (masked && (hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c) | other_segment(c ? ids.y : ids.x, r) |
                            hidden_by_mask)) {
               sc[i] = dp[i] = dlogit = 0.0f;
@@ -1195,6 +1231,11 @@ Status Launch(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStr
 template <int kHeadDim>
 Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
   return LaunchVariant<kHeadDim, Elementwise::kSegmentIds>(kp, f16, softcap, batch, stream);
+}
+
+template <int kHeadDim>
+Status LaunchDropout(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
+  return LaunchVariant<kHeadDim, Elementwise::kDropout>(kp, f16, softcap, batch, stream);
 }
 
 // `feature` (a bias, its gradient or not, or a mask) with kWith (segment ids, or nothing).

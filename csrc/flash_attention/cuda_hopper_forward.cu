@@ -173,6 +173,12 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
   WindowSides(ForwardCallOf(p, d), &kp->left, &kp->right);
+  kp->dropout_seed = args.dropout_seed;
+  kp->dropout_shifted_threshold = p.dropout_prob > 0.0f ? DropoutThreshold(p.dropout_prob) << 8 : 0u;
+  kp->dropout_scale = p.dropout_prob > 0.0f ? 1.0f / (1.0f - p.dropout_prob) : 1.0f;
+  if (p.dropout_prob > 0.0f && args.dropout_seed == nullptr) {
+    return Status::InvalidArgument("hopper flash attention: dropout needs the seed (CudaForwardArgs::dropout_seed)");
+  }
   return Status::Ok();
 }
 
@@ -444,7 +450,7 @@ namespace {
 Status HopperUnsupported(const std::string& why) { return Status::Unimplemented("hopper flash attention: " + why); }
 }  // namespace
 
-Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dropout, const CudaDeviceInfo& device) {
+Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, const CudaDeviceInfo& device) {
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return HopperUnsupported(why);
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return HopperUnsupported(std::string("query dtype must be bf16 or f16, got ") + DTypeName(dtype));
@@ -454,13 +460,13 @@ Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, bool dro
                              std::to_string(call.head_dim));
   }
   if (std::string why = hopper::DenseUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
-  if (dropout) return HopperUnsupported("dropout is not supported");
+  if (std::string why = hopper::DropoutUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
   return Status::Ok();
 }
 
 Status HopperSupports(const ForwardParams& p, const Dims& dims, const CudaDeviceInfo& device) {
   EJK_RETURN_IF_ERROR(CheckFeaturesBuilt(p));
-  EJK_RETURN_IF_ERROR(HopperSupportsKind(p.q.dtype, hopper::ForwardCallOf(p, dims), p.dropout_prob > 0.0f, device));
+  EJK_RETURN_IF_ERROR(HopperSupportsKind(p.q.dtype, hopper::ForwardCallOf(p, dims), device));
   if (!(p.softmax_scale > 0.0f)) return HopperUnsupported("softmax_scale must be positive");
   if (dims.seqlen_k == 0) return HopperUnsupported("seqlen_k must be positive");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return HopperUnsupported("sequence lengths too large");

@@ -48,6 +48,7 @@
 #include "flash_attention/cuda.h"
 #include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/params.h"
+#include "flash_attention/semantics.h"
 #include "runtime/fast_divisor.h"
 #include "runtime/status.h"
 #include "runtime/tensor.h"
@@ -71,7 +72,8 @@ struct TileConstants {
 // The per-element features a kernel reads with each tile (a template parameter), as flags:
 // segment ids (the keys' ids), a dense bias or attention mask ([kBlockM x kBlockN] tile), or
 // segment ids with one of those; kBiasF32: a float32 bias with bf16/f16 inputs; kBiasWithGrad,
-// backward kernels only: a bias whose gradient the kernel also writes.
+// backward kernels only: a bias whose gradient the kernel also writes; kDropout: dropout (no
+// per-key-tile data: each element hashes its indices, semantics.h), alone.
 // Every combination a kernel is built for has a name: nvcc's host stubs spell a kernel's enum
 // template arguments by their enumerators.
 enum class Elementwise : unsigned {
@@ -87,6 +89,7 @@ enum class Elementwise : unsigned {
   kSegmentIdsBiasWithGrad = kSegmentIds | kBiasWithGrad,
   kSegmentIdsBiasF32 = kSegmentIds | kBiasF32,
   kSegmentIdsBiasF32WithGrad = kSegmentIds | kBiasF32WithGrad,
+  kDropout = 32,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
   return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -222,6 +225,10 @@ struct KernelParams {
   // (TileHead); div_batch divides by the batch.
   int batch_inner;
   FastDivisor div_batch;
+  // kDropout kernels: the seed (a device scalar), DropoutThreshold << 8 and 1 / (1 - p).
+  const uint32_t* dropout_seed;
+  uint32_t dropout_shifted_threshold;
+  float dropout_scale;
 };
 
 // Host launcher, instantiated per head dim in cuda_hopper_forward_hdim*.cu.
@@ -758,7 +765,7 @@ __device__ __forceinline__ void TileHead(const KernelParams& p, int tile, int* h
 #endif  // EJK_HOPPER_DEVICE_CODE
 
 // kFeature: segment ids (never with packed sequences), a bias or a mask, or segment ids with
-// one of those, applied element-wise in every key tile.
+// one of those, applied element-wise in every key tile; or dropout.
 template <int kHeadDim, int kWarpgroups, int kBlockN, int kStages, bool kF16, bool kSoftcap, Elementwise kFeature>
 __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(const __grid_constant__ KernelParams p) {
 #if EJK_HOPPER_DEVICE_CODE
@@ -766,8 +773,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   using L = SmemLayout<kHeadDim, kWarpgroups, kBlockN, kStages, kFeature>;
   constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
   constexpr bool kDense = L::kDense;
+  constexpr bool kDropout = Has(kFeature, Elementwise::kDropout);
   // Features whose per-key-tile data the V barrier guards: the softmax waits for it.
-  constexpr bool kStagedKeys = kFeature != Elementwise::kNone;
+  constexpr bool kStagedKeys = kSegments || kDense;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kColBlocks = L::kColBlocks;
   constexpr bool kPairedSchedule = L::kPairedSchedule;
@@ -781,7 +789,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   // cap or a per-element feature, whose registers cannot hold the extra wgmma code paths:
   // ptxas would serialise every wgmma of the kernel.
   constexpr int kPartialN = 64;
-  constexpr bool kPartialTiles = kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap && !kStagedKeys;
+  constexpr bool kPartialTiles =
+      kPartialN < kBlockN && kWarpgroups == 2 && !kSoftcap && kFeature == Elementwise::kNone;
   // A band's other half-masked key tile, the last one visited, narrowed to its last kPartialN
   // keys for the warpgroups whose rows see no others: the d96/d128 masked kernels only, which
   // serve the bands.
@@ -960,6 +969,19 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
         if (row < tl.q_len) q_segment[r] = __ldg(p.q_segment_ids + static_cast<int64_t>(batch) * p.seqlen_q + row);
+      }
+    }
+
+    // Dropout: this thread's rows' part of the hash (DropoutRowKey), with packed indices.
+    uint32_t dropout_row_key[2] = {0u, 0u};
+    if constexpr (kDropout) {
+      int head, batch;
+      TileHead<kDense>(p, tile, &head, &batch);
+      const uint32_t seed = __ldg(p.dropout_seed);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        dropout_row_key[r] = DropoutRowKey(seed, static_cast<uint32_t>(batch * p.num_q_heads + head),
+                                           static_cast<uint32_t>(tl.q_begin + row0 + 8 * r));
       }
     }
 
@@ -1148,8 +1170,14 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               const float e = Exp2(fmaf(s[4 * j + 2 * r + c], p.logit_scale, -base));
-              s[4 * j + 2 * r + c] = e;
-              sum += e;
+              sum += e;  // the softmax's sum is over every visible key; dropout acts on P only
+              if constexpr (kDropout) {
+                const uint32_t key = static_cast<uint32_t>(tl.k_begin + c0 + 8 * j + 2 * t4 + c);
+                s[4 * j + 2 * r + c] =
+                    DropoutKeepShifted(dropout_row_key[r], key, p.dropout_shifted_threshold) ? e : 0.0f;
+              } else {
+                s[4 * j + 2 * r + c] = e;
+              }
             }
           }
           row_sum[r] = row_sum[r] * correction[r] + sum;
@@ -1306,7 +1334,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = row_sum[r];
-      const float inv = sum > 0.0f ? FastReciprocal(sum) : 0.0f;
+      // Dropout's 1 / (1 - p) for the kept probabilities comes with the normalisation.
+      const float inv = sum > 0.0f ? (kDropout ? p.dropout_scale : 1.0f) * FastReciprocal(sum) : 0.0f;
       const int row = row0 + 8 * r;
       if (staged) {
         // The Q slot's layout (64-column blocks of 128-byte rows, 128-byte swizzle), as the
@@ -1594,6 +1623,15 @@ Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStrea
                 : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
 }
 
+// Calls with dropout (HopperSupportsKind: without a bias, mask or segment ids); instantiated per
+// head dim in cuda_hopper_forward_dropout_hdim*.cu.
+template <int kHeadDim>
+Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  return CausalOrWindow(ForwardCallOf(args.p, args.dims))
+             ? LaunchMasked<kHeadDim, true, Elementwise::kDropout>(args, cfg, stream)
+             : LaunchMasked<kHeadDim, false, Elementwise::kDropout>(args, cfg, stream);
+}
+
 // Calls with segment ids and a bias or an attention mask (DenseUnsupportedReason); instantiated
 // per head dim in cuda_hopper_forward_segments_dense_hdim*.cu.
 template <int kHeadDim>
@@ -1606,6 +1644,7 @@ Status LaunchSegmentsDense(const CudaForwardArgs& args, const CudaConfig& cfg, c
 
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if (args.p.dropout_prob > 0.0f) return LaunchDropout<kHeadDim>(args, cfg, stream);
   // A bias of another dtype than the query's arrives here as float32 (folded where it was not).
   if (args.p.bias.present() && args.p.bias.dtype == DType::kF32) {
     if constexpr (kHeadDim <= 192) {

@@ -3,9 +3,9 @@
 
 namespace ejk::flash_attention::hopper {
 #if EJK_FA_HEAD_DIM_ENABLED(192)
-// Compiled in cuda_hopper_forward_segments_hdim192.cu, cuda_hopper_forward_dense_hdim192.cu,
-// cuda_hopper_forward_segments_dense_hdim192.cu and cuda_hopper_forward_bias_f32_hdim192.cu.
+// Compiled in the other cuda_hopper_forward_*_hdim192.cu files.
 extern template Status LaunchSegments<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDropout<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchSegmentsDense<192>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

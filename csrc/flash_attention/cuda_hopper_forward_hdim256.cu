@@ -3,9 +3,9 @@
 
 namespace ejk::flash_attention::hopper {
 #if EJK_FA_HEAD_DIM_ENABLED(256)
-// Compiled in cuda_hopper_forward_segments_hdim256.cu, cuda_hopper_forward_dense_hdim256.cu and
-// cuda_hopper_forward_segments_dense_hdim256.cu.
+// Compiled in the other cuda_hopper_forward_*_hdim256.cu files.
 extern template Status LaunchSegments<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchSegmentsDense<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

@@ -3,9 +3,9 @@
 
 namespace ejk::flash_attention::hopper {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
-// Compiled in cuda_hopper_forward_segments_hdim64.cu, cuda_hopper_forward_dense_hdim64.cu,
-// cuda_hopper_forward_segments_dense_hdim64.cu and cuda_hopper_forward_bias_f32_hdim64.cu.
+// Compiled in the other cuda_hopper_forward_*_hdim64.cu files.
 extern template Status LaunchSegments<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDropout<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchSegmentsDense<64>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
 extern template Status LaunchDense<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

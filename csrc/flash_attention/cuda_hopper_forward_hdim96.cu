@@ -3,9 +3,9 @@
 
 namespace ejk::flash_attention::hopper {
 #if EJK_FA_HEAD_DIM_ENABLED(96)
-// Compiled in cuda_hopper_forward_segments_hdim96.cu, cuda_hopper_forward_dense_hdim96.cu,
-// cuda_hopper_forward_segments_dense_hdim96.cu and cuda_hopper_forward_bias_f32_hdim96.cu.
+// Compiled in the other cuda_hopper_forward_*_hdim96.cu files.
 extern template Status LaunchSegments<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDropout<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchSegmentsDense<96>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
 extern template Status LaunchDense<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

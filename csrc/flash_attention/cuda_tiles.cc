@@ -55,6 +55,7 @@ ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   c.window_right = p.window_right;
   c.soft_cap = p.logits_soft_cap > 0.0f;
   c.segment_ids = p.q_segment_ids.present();
+  c.dropout = p.dropout_prob > 0.0f;
   c.bias = p.bias.present();
   c.mask = p.mask.present();
   c.bias_f32 = c.bias && p.bias.dtype != p.q.dtype;
@@ -115,6 +116,13 @@ std::string BackwardDenseUnsupportedReason(const ForwardCall& c) {
   return DenseUnsupportedReason(c);
 }
 
+std::string DropoutUnsupportedReason(const ForwardCall& c) {
+  if (c.dropout && (c.bias || c.mask || c.segment_ids)) {
+    return "dropout with a bias, an attention mask or segment ids is not supported";
+  }
+  return "";
+}
+
 void WindowSides(const ForwardCall& c, int* left, int* right) {
   const int64_t unbounded = c.seqlen_q + c.seqlen_k + 1;
   *right = static_cast<int>(c.causal ? (c.window_right >= 0 ? std::min<int64_t>(c.window_right, 0) : 0)
@@ -136,14 +144,16 @@ bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k)
 }
 
 std::vector<ForwardTile> ForwardTiles(const ForwardCall& c) {
-  // Segment ids take the masked calls' tiles, and no alternative is built for them.
-  const bool masked = c.segment_ids || CausalOrWindow(c);
-  const bool short_call = !c.segment_ids && ShortCall(c, kShortSeqlen, kShortSeqlen);
+  // Segment ids and dropout (per-element work in every tile) take the masked calls' tiles, and
+  // no alternative is built for them.
+  const bool per_element = c.segment_ids || c.dropout;
+  const bool masked = per_element || CausalOrWindow(c);
+  const bool short_call = !per_element && ShortCall(c, kShortSeqlen, kShortSeqlen);
   const bool dense = c.bias || c.mask;
   switch (c.head_dim) {
     case 64:
       if (dense) return {kTileDense};  // a float32 bias too
-      if (c.segment_ids) return {kTileD64};
+      if (per_element) return {kTileD64};
       if (masked && short_call) return {kTileD64Pairs, kTileD64};
       return {kTileD64, kTileD64Pairs};
     case 96:

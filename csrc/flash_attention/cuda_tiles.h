@@ -120,6 +120,7 @@ struct ForwardCall {
   int64_t window_left = -1, window_right = -1;  // < 0: unbounded side
   bool soft_cap = false;
   bool segment_ids = false;
+  bool dropout = false;
   bool bias = false, mask = false;  // a dense bias / attention mask ([B|1, H|1, Sq, Sk])
   // The kernels read the bias as float32: its dtype is not the query's. bias_converts: nor is it
   // float32 (the fold converts it).
@@ -164,6 +165,10 @@ std::string DenseUnsupportedReason(const ForwardCall& c);
 // gradients asked for.
 std::string BackwardDenseUnsupportedReason(const ForwardCall& c);
 
+// Why the Hopper kernels (both directions) do not take this call's dropout, "" when they do (or
+// the call has none): they take it without a bias, an attention mask or segment ids.
+std::string DropoutUnsupportedReason(const ForwardCall& c);
+
 // The visible keys' sides for the kernels: key j is visible to query i iff
 // i + offset - left <= j < i + offset + right + 1. Sides beyond Sq + Sk hide nothing and are
 // clamped, which keeps the kernels' sums in int32.
@@ -178,8 +183,8 @@ bool ShortCall(const ForwardCall& c, int64_t max_seqlen_q, int64_t max_seqlen_k)
 
 // The tiles the Hopper forward can run this call with, the default (the rule above, tuned on
 // H100) first, then the alternatives built and tested for calls of its kind: d64 without
-// segment ids, two warpgroups or three; d96/d128 without masks, soft cap or segment ids,
-// 128-key tiles or 176; a bias or mask, kTileDense (kTileDenseNarrow at d192/d256, and for a
+// segment ids or dropout, two warpgroups or three; d96/d128 without masks, soft cap, segment
+// ids or dropout, 128-key tiles or 176; a bias or mask, kTileDense (kTileDenseNarrow at d192/d256, and for a
 // float32 bias from d96). Empty for a head dim without Hopper kernels.
 std::vector<ForwardTile> ForwardTiles(const ForwardCall& c);
 // The first of ForwardTiles(c) that `requested` names (Requests), else the default.

@@ -81,9 +81,12 @@ EJK_HOST_DEVICE U32 Fmix32(U32 x) {
   return x;
 }
 
-// Per-row part of the dropout hash, hoisted out of the key loop.
+// Per-(batch, head) and per-row parts of the dropout hash, hoisted out of the loops.
+EJK_HOST_DEVICE uint32_t DropoutHeadKey(uint32_t seed, uint32_t batch_head) {
+  return Fmix32(batch_head ^ Fmix32(seed ^ 0x9e3779b9u));
+}
 EJK_HOST_DEVICE uint32_t DropoutRowKey(uint32_t seed, uint32_t batch_head, uint32_t query_index) {
-  return Fmix32(query_index ^ Fmix32(batch_head ^ Fmix32(seed ^ 0x9e3779b9u)));
+  return Fmix32(query_index ^ DropoutHeadKey(seed, batch_head));
 }
 
 // Elements whose top 24 hash bits are below the threshold are dropped.
@@ -93,6 +96,12 @@ inline uint32_t DropoutThreshold(float dropout_prob) {
 
 EJK_HOST_DEVICE bool DropoutKeep(uint32_t row_key, uint32_t key_index, uint32_t threshold) {
   return (Fmix32(key_index ^ row_key) >> 8) >= threshold;
+}
+
+// DropoutKeep with the threshold moved into the hash's top 24 bits (threshold << 8, exact for
+// thresholds below 2^24): one comparison per element in the Hopper kernels' inner loops.
+EJK_HOST_DEVICE bool DropoutKeepShifted(uint32_t row_key, uint32_t key_index, uint32_t shifted_threshold) {
+  return Fmix32(key_index ^ row_key) >= shifted_threshold;
 }
 
 }  // namespace ejk::flash_attention

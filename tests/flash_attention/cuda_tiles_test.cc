@@ -85,6 +85,39 @@ TEST(HopperForwardTiles, D128MasksSoftCapAndSegmentIdsTake128KeyTilesOnly) {
   EXPECT_EQ(ForwardTiles(segments), (Tiles{hopper::kTileD64}));
 }
 
+// Dropout hashes every element of every tile: the per-element kernels' tiles, short calls too.
+TEST(HopperForwardTiles, DropoutTakesThePerElementTiles) {
+  for (int64_t head_dim : {96, 128}) {
+    ForwardCall dropout = Call(head_dim, 4096, 4096);
+    dropout.dropout = true;
+    EXPECT_EQ(ForwardTiles(dropout), (Tiles{hopper::kTileD128})) << head_dim;
+    EXPECT_EQ(ForwardTiles(Causal(dropout)), (Tiles{hopper::kTileD128})) << head_dim;
+  }
+  ForwardCall d64 = Causal(Call(64, 512, 512));
+  d64.dropout = true;
+  EXPECT_EQ(ForwardTiles(d64), (Tiles{hopper::kTileD64}));
+  d64.seqlen_q = d64.seqlen_k = 4096;
+  EXPECT_EQ(ForwardTiles(d64), (Tiles{hopper::kTileD64}));
+}
+
+TEST(HopperForwardTiles, DropoutRunsWithoutPerElementOperands) {
+  ForwardCall c = Call(128, 4096, 4096);
+  c.dropout = true;
+  EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
+  c.varlen = true;
+  c.causal = true;
+  c.soft_cap = true;
+  EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
+  for (bool ForwardCall::*operand : {&ForwardCall::bias, &ForwardCall::mask, &ForwardCall::segment_ids}) {
+    ForwardCall with = Call(128, 4096, 4096);
+    with.dropout = true;
+    with.*operand = true;
+    EXPECT_NE(hopper::DropoutUnsupportedReason(with), "");
+    with.dropout = false;
+    EXPECT_EQ(hopper::DropoutUnsupportedReason(with), "");
+  }
+}
+
 TEST(HopperForwardTiles, LargeHeadDimsHaveOneTileAndOthersNone) {
   EXPECT_EQ(ForwardTiles(Causal(Call(192, 512, 512))), (Tiles{hopper::kTileD192}));
   EXPECT_EQ(ForwardTiles(Call(192, 4096, 4096)), (Tiles{hopper::kTileD192}));

@@ -28,6 +28,8 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (96, 75, 130), (128, 131, 200), (19
         dict(causal=True, bias=bias, deterministic=True),
         dict(deterministic=True),  # the Hopper backward's ordered dQ, unmasked and windowed
         dict(causal=True, sliding_window=(40, 5), deterministic=True),
+        dict(dropout_prob=0.2, dropout_seed=5),  # the Hopper kernels' dropout
+        dict(causal=True, logits_soft_cap=20.0, dropout_prob=0.3, dropout_seed=6, deterministic=True),
     ]
     for kwargs in runs:
         def loss(q, k, v):
@@ -41,10 +43,11 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (96, 75, 130), (128, 131, 200), (19
     cu = jnp.array([0, 0, 1, 20, seq_q - 5], jnp.int32)
     cu_k = jnp.array([0, 3, 3, 25, seq_k - 5], jnp.int32)
 
-    for deterministic in (False, True):
+    for deterministic, dropout in ((False, 0.0), (True, 0.0), (False, 0.25)):
         def varlen_loss(q, k, v):
             out = flash_attention(q, k, v, causal=True, softmax_aux=aux, cum_seqlens_q=cu, cum_seqlens_k=cu_k,
-                                  deterministic=deterministic, platform="cuda")
+                                  deterministic=deterministic, dropout_prob=dropout, dropout_seed=7,
+                                  platform="cuda")
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))

@@ -131,6 +131,20 @@ CASES = [
          head_dim=256),
     Case("tiles_d256_bf16_window_both", dtype="bfloat16", batch=1, seq_q=259, seq_k=259, q_heads=2, kv_heads=1,
          head_dim=256, window=(70, 9), soft_cap=7.0),
+    # Dropout on the Hopper kernels, which hash each element's packed indices in both
+    # directions: every head dim, tiles cut by masks, packed sequences, GQA, deterministic.
+    Case("tiles_dropout_causal_bf16_d64_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4,
+         kv_heads=2, causal=True, dropout=0.2),
+    Case("tiles_dropout_window_softcap_sinks_f16_d128_sq>sk", dtype="float16", batch=1, seq_q=259, seq_k=200,
+         q_heads=2, kv_heads=1, head_dim=128, window=(50, 10), soft_cap=6.0, sinks=True, dropout=0.3),
+    Case("tiles_dropout_varlen_causal_bf16_d128", dtype="bfloat16", varlen=VARLEN_TILES, causal=True, q_heads=2,
+         kv_heads=1, head_dim=128, dropout=0.15),
+    Case("tiles_dropout_d96_f16_sq<sk", dtype="float16", batch=1, seq_q=130, seq_k=333, q_heads=2, kv_heads=2,
+         head_dim=96, dropout=0.25),
+    Case("tiles_dropout_d192_bf16_causal", dtype="bfloat16", batch=1, seq_q=200, seq_k=200, q_heads=2,
+         kv_heads=1, head_dim=192, causal=True, dropout=0.1),
+    Case("tiles_dropout_d256_deterministic_bf16_gqa", dtype="bfloat16", batch=2, seq_q=201, seq_k=150, q_heads=4,
+         kv_heads=2, head_dim=256, dropout=0.1, deterministic=True),
     # The Hopper forward visits key tiles last to first, so with the first keys the largest a
     # row's running max keeps rising: by more than the d256 kernel's slack (its O rescaled)
     # and by less (the stale max kept).

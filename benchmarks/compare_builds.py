@@ -47,6 +47,10 @@ CASES = {
     "window64": (1, 16384, 32, 64, dict(causal=True, window=1024)),
     "c256_4x4096": (4, 4096, 8, 256, dict(causal=True)),
     "n256_4x4096": (4, 4096, 8, 256, {}),
+    "dropout_n128_4x4096": (4, 4096, 16, 128, dict(dropout=0.1)),
+    "dropout_c128_4x4096": (4, 4096, 16, 128, dict(causal=True, dropout=0.1)),
+    "dropout_c64_4x4096": (4, 4096, 32, 64, dict(causal=True, dropout=0.1)),
+    "dropout_c256_4x4096": (4, 4096, 8, 256, dict(causal=True, dropout=0.1)),
 }
 
 

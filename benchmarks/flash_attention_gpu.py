@@ -56,6 +56,10 @@ class Case:
     # [B, 1, S, S] mask; "bias_mask": the [1, H, S, S] bias and a [1, 1, S, S] mask
     dense: str = ""
     dense_grad: bool = False  # forward+backward also differentiates the bias
+    # Dropout on the probabilities (ours; XLA: ejkernel's XLA implementation, the same hash).
+    # cuDNN and Pallas take no dropout through JAX: they are timed without it, as the cost of
+    # the same attention with none.
+    dropout: float = 0.0
 
     @property
     def num_kv_heads(self) -> int:
@@ -128,6 +132,11 @@ def extra_cases() -> list[Case]:
         Case("dbias_mask", 4, 4096, 16, 128, dense="bias_mask", dense_grad=True),
         Case("bias_mask_d64", 4, 4096, 32, 64, dense="bias_mask"),
         Case("dbias_mask_d64", 4, 4096, 32, 64, dense="bias_mask", dense_grad=True),
+        # Attention dropout in training (the Hopper kernels hash every element).
+        Case("dropout", 4, 4096, 16, 128, dropout=0.1),
+        Case("dropout", 4, 4096, 16, 128, causal=True, dropout=0.1),
+        Case("dropout_d64", 4, 4096, 32, 64, causal=True, dropout=0.1),
+        Case("dropout_d256", 4, 4096, 8, 256, causal=True, dropout=0.1),
     ]
 
 
@@ -183,6 +192,8 @@ def _segment_ids(case: Case, lengths) -> jax.Array:
 
 def _ours(case: Case, lengths) -> Callable:
     kw: dict[str, Any] = dict(causal=case.causal, deterministic=case.deterministic, platform="cuda")
+    if case.dropout:
+        kw.update(dropout_prob=case.dropout, dropout_seed=jnp.asarray(1234, jnp.uint32))
     if case.window >= 0:
         kw["sliding_window"] = (case.window, 0)
     if case.segments:
@@ -202,6 +213,10 @@ XLA_MAX_SEQLEN = 4096
 def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
     if implementation == "xla" and case.seqlen * (case.batch if case.varlen else 1) > XLA_MAX_SEQLEN:
         return None
+    if implementation == "xla" and case.dropout:
+        # jax.nn.dot_product_attention has no dropout: ejkernel's XLA implementation, same mask.
+        return lambda q, k, v: flash_attention(q, k, v, causal=case.causal, dropout_prob=case.dropout,
+                                               dropout_seed=jnp.asarray(1234, jnp.uint32), platform="xla")
     kw: dict[str, Any] = dict(is_causal=case.causal, implementation=implementation)
     if case.window >= 0:
         kw["local_window_size"] = (case.window, 0)
@@ -318,7 +333,7 @@ def run_case(case: Case, rng: np.random.Generator, backward: bool) -> dict[str, 
             out = jitted(*inputs[:3], *dense)
             if reference is None and name == "ours":
                 reference = out
-            elif reference is not None:
+            elif reference is not None and not (case.dropout and name != "xla"):  # the others drop nothing
                 row[f"{name}_diff_vs_ours"] = _relative_error(out, reference)
         except Exception as exc:  # noqa: BLE001 - an anchor that cannot run this case is recorded
             row[f"{name}_error"] = _describe(exc)

@@ -1233,9 +1233,15 @@ Status LaunchSegments(const KernelParams& kp, bool f16, bool softcap, int batch,
   return LaunchVariant<kHeadDim, Elementwise::kSegmentIds>(kp, f16, softcap, batch, stream);
 }
 
+// Dropout, with or without segment ids.
 template <int kHeadDim>
 Status LaunchDropout(const KernelParams& kp, bool f16, bool softcap, int batch, cudaStream_t stream) {
-  return LaunchVariant<kHeadDim, Elementwise::kDropout>(kp, f16, softcap, batch, stream);
+  if (kp.q_segment_ids == nullptr) return LaunchVariant<kHeadDim, Elementwise::kDropout>(kp, f16, softcap, batch, stream);
+  if constexpr (kSegmentIdsBuilt) {
+    return LaunchVariant<kHeadDim, Elementwise::kSegmentIdsDropout>(kp, f16, softcap, batch, stream);
+  } else {
+    return FeatureNotBuilt("segment_ids");
+  }
 }
 
 // `feature` (a bias, its gradient or not, or a mask) with kWith (segment ids, or nothing).

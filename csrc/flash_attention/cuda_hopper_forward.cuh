@@ -73,7 +73,7 @@ struct TileConstants {
 // segment ids (the keys' ids), a dense bias or attention mask ([kBlockM x kBlockN] tile), or
 // segment ids with one of those; kBiasF32: a float32 bias with bf16/f16 inputs; kBiasWithGrad,
 // backward kernels only: a bias whose gradient the kernel also writes; kDropout: dropout (no
-// per-key-tile data: each element hashes its indices, semantics.h), alone.
+// per-key-tile data: each element hashes its indices, semantics.h), alone or with segment ids.
 // Every combination a kernel is built for has a name: nvcc's host stubs spell a kernel's enum
 // template arguments by their enumerators.
 enum class Elementwise : unsigned {
@@ -90,6 +90,7 @@ enum class Elementwise : unsigned {
   kSegmentIdsBiasF32 = kSegmentIds | kBiasF32,
   kSegmentIdsBiasF32WithGrad = kSegmentIds | kBiasF32WithGrad,
   kDropout = 32,
+  kSegmentIdsDropout = kSegmentIds | kDropout,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
   return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -1623,10 +1624,17 @@ Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStrea
                 : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
 }
 
-// Calls with dropout (HopperSupportsKind: without a bias, mask or segment ids); instantiated per
-// head dim in cuda_hopper_forward_dropout_hdim*.cu.
+// Calls with dropout (HopperSupportsKind: without a bias or mask), with or without segment ids;
+// instantiated per head dim in cuda_hopper_forward_dropout_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if (args.p.q_segment_ids.present()) {
+    if constexpr (kSegmentIdsBuilt) {
+      return LaunchMasked<kHeadDim, true, Elementwise::kSegmentIdsDropout>(args, cfg, stream);
+    } else {
+      return FeatureNotBuilt("segment_ids");
+    }
+  }
   return CausalOrWindow(ForwardCallOf(args.p, args.dims))
              ? LaunchMasked<kHeadDim, true, Elementwise::kDropout>(args, cfg, stream)
              : LaunchMasked<kHeadDim, false, Elementwise::kDropout>(args, cfg, stream);

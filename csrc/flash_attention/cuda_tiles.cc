@@ -117,9 +117,7 @@ std::string BackwardDenseUnsupportedReason(const ForwardCall& c) {
 }
 
 std::string DropoutUnsupportedReason(const ForwardCall& c) {
-  if (c.dropout && (c.bias || c.mask || c.segment_ids)) {
-    return "dropout with a bias, an attention mask or segment ids is not supported";
-  }
+  if (c.dropout && (c.bias || c.mask)) return "dropout with a bias or an attention mask is not supported";
   return "";
 }
 

@@ -166,7 +166,7 @@ std::string DenseUnsupportedReason(const ForwardCall& c);
 std::string BackwardDenseUnsupportedReason(const ForwardCall& c);
 
 // Why the Hopper kernels (both directions) do not take this call's dropout, "" when they do (or
-// the call has none): they take it without a bias, an attention mask or segment ids.
+// the call has none): they take it without a bias or an attention mask.
 std::string DropoutUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff

@@ -108,7 +108,10 @@ TEST(HopperForwardTiles, DropoutRunsWithoutPerElementOperands) {
   c.causal = true;
   c.soft_cap = true;
   EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
-  for (bool ForwardCall::*operand : {&ForwardCall::bias, &ForwardCall::mask, &ForwardCall::segment_ids}) {
+  c.varlen = false;
+  c.segment_ids = true;
+  EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
+  for (bool ForwardCall::*operand : {&ForwardCall::bias, &ForwardCall::mask}) {
     ForwardCall with = Call(128, 4096, 4096);
     with.dropout = true;
     with.*operand = true;

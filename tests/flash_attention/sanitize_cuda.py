@@ -53,11 +53,12 @@ for head_dim, seq_q, seq_k in ((64, 37, 45), (96, 75, 130), (128, 131, 200), (19
         jax.block_until_ready(jax.grad(varlen_loss, argnums=(0, 1, 2))(q[:1], k[:1], v[:1]))
         calls += 1
 
-    # Segment ids (the Hopper segment kernels), with and without a causal mask.
+    # Segment ids (the Hopper segment kernels), with and without a causal mask, with dropout.
     q_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, seq_q)), axis=1), jnp.int32)
     kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, seq_k)), axis=1), jnp.int32)
-    for causal in (False, True):
-        segments = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, platform="cuda")
+    for causal, dropout in ((False, 0.0), (True, 0.0), (True, 0.2)):
+        segments = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, dropout_prob=dropout,
+                        dropout_seed=8, platform="cuda")
 
         def segments_loss(q, k, v):
             return jnp.sum(flash_attention(q, k, v, **segments).astype(jnp.float32) ** 2)

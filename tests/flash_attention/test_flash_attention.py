@@ -145,6 +145,10 @@ CASES = [
          kv_heads=1, head_dim=192, causal=True, dropout=0.1),
     Case("tiles_dropout_d256_deterministic_bf16_gqa", dtype="bfloat16", batch=2, seq_q=201, seq_k=150, q_heads=4,
          kv_heads=2, head_dim=256, dropout=0.1, deterministic=True),
+    Case("tiles_dropout_segments_causal_bf16_d128_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4,
+         kv_heads=2, head_dim=128, causal=True, segments=True, dropout=0.2),
+    Case("tiles_dropout_segments_shuffled_deterministic_f16_d64_sq<sk", dtype="float16", batch=2, seq_q=200,
+         seq_k=333, segments="shuffled", dropout=0.3, deterministic=True),
     # The Hopper forward visits key tiles last to first, so with the first keys the largest a
     # row's running max keeps rising: by more than the d256 kernel's slack (its O rescaled)
     # and by less (the stale max kept).

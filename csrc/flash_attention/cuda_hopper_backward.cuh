@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // indices of the batch row.
   const uint32_t dropout_seed = kDropout ? __ldg(p.dropout_seed) : 0u;
   const auto dropout_row_key = [&](uint32_t head_key, int query) {
-    return Fmix32(static_cast<uint32_t>(q_begin + query) ^ head_key);
+    return DropoutRowKeyOfHead(head_key, static_cast<uint32_t>(q_begin + query));
   };
   const auto dropout_z = [&](uint32_t row_key, int r) {
     return DropoutKeepShifted(row_key, static_cast<uint32_t>(k_begin + n0 + key_row + 8 * r),

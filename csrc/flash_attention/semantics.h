@@ -85,8 +85,11 @@ EJK_HOST_DEVICE U32 Fmix32(U32 x) {
 EJK_HOST_DEVICE uint32_t DropoutHeadKey(uint32_t seed, uint32_t batch_head) {
   return Fmix32(batch_head ^ Fmix32(seed ^ 0x9e3779b9u));
 }
+EJK_HOST_DEVICE uint32_t DropoutRowKeyOfHead(uint32_t head_key, uint32_t query_index) {
+  return Fmix32(query_index ^ head_key);
+}
 EJK_HOST_DEVICE uint32_t DropoutRowKey(uint32_t seed, uint32_t batch_head, uint32_t query_index) {
-  return Fmix32(query_index ^ DropoutHeadKey(seed, batch_head));
+  return DropoutRowKeyOfHead(DropoutHeadKey(seed, batch_head), query_index);
 }
 
 // Elements whose top 24 hash bits are below the threshold are dropped.

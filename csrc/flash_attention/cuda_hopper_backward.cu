@@ -282,7 +282,7 @@ Status LastLaunch(const char* what) {
 template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
-  if (kp.dropout_seed != nullptr) return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
+  if (kp.dropout.seed != nullptr) return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
   if (Has(feature, Elementwise::kBiasF32)) {
     if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {
       return LaunchBiasF32<kHeadDim>(kp, f16, softcap, feature, batch, stream);
@@ -489,13 +489,7 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;
   kp.dq_turns = nullptr;
-  const bool dropout = f.dropout_prob > 0.0f;
-  if (dropout && args.dropout_seed == nullptr) {
-    return Status::InvalidArgument("hopper flash attention backward: dropout needs the seed (CudaBackwardArgs::dropout_seed)");
-  }
-  kp.dropout_seed = dropout ? args.dropout_seed : nullptr;
-  kp.dropout_shifted_threshold = dropout ? DropoutThreshold(f.dropout_prob) << 8 : 0u;
-  kp.dropout_scale = dropout ? 1.0f / (1.0f - f.dropout_prob) : 1.0f;
+  EJK_RETURN_IF_ERROR(hopper::PrepareDropoutOperand(f, args.dropout_seed, &kp.dropout));
   EJK_RETURN_IF_ERROR(hopper::PrepareDenseOperand(f, block_m, &kp.dense));
   kp.batch_inner = hopper::DenseSharedAcrossBatch(kp.dense, d);
   kp.dbias = nullptr;

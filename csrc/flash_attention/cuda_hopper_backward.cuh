@@ -231,10 +231,7 @@ struct KernelParams {
   // num_m_blocks, 2], how many key blocks have added their dQ (zeroed before the launch). See
   // "Deterministic dQ" in the kernel.
   int* dq_turns;
-  // kDropout kernels: the seed (a device scalar), DropoutThreshold << 8 and 1 / (1 - p).
-  const uint32_t* dropout_seed;
-  uint32_t dropout_shifted_threshold;
-  float dropout_scale;
+  hopper::DropoutOperand dropout;  // kDropout kernels only
 };
 
 template <int kHeadDim>
@@ -685,14 +682,14 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   // Dropout: the seed, and the element multiplier of (query, key row r of this thread) given
   // the query's DropoutRowKey; queries and keys are local to the sequence, hashed as packed
   // indices of the batch row.
-  const uint32_t dropout_seed = kDropout ? __ldg(p.dropout_seed) : 0u;
+  const uint32_t dropout_seed = kDropout ? __ldg(p.dropout.seed) : 0u;
   const auto dropout_row_key = [&](uint32_t head_key, int query) {
     return DropoutRowKeyOfHead(head_key, static_cast<uint32_t>(q_begin + query));
   };
   const auto dropout_z = [&](uint32_t row_key, int r) {
     return DropoutKeepShifted(row_key, static_cast<uint32_t>(k_begin + n0 + key_row + 8 * r),
-                              p.dropout_shifted_threshold)
-               ? p.dropout_scale
+                              p.dropout.shifted_threshold)
+               ? p.dropout.scale
                : 0.0f;
   };
   // Whether key (of the block) is hidden from query (of the tile), for tiles on a mask

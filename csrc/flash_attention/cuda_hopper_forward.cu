@@ -173,12 +173,15 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
   WindowSides(ForwardCallOf(p, d), &kp->left, &kp->right);
-  kp->dropout_seed = args.dropout_seed;
-  kp->dropout_shifted_threshold = p.dropout_prob > 0.0f ? DropoutThreshold(p.dropout_prob) << 8 : 0u;
-  kp->dropout_scale = p.dropout_prob > 0.0f ? 1.0f / (1.0f - p.dropout_prob) : 1.0f;
-  if (p.dropout_prob > 0.0f && args.dropout_seed == nullptr) {
-    return Status::InvalidArgument("hopper flash attention: dropout needs the seed (CudaForwardArgs::dropout_seed)");
-  }
+  return PrepareDropoutOperand(p, args.dropout_seed, &kp->dropout);
+}
+
+Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, DropoutOperand* dropout) {
+  const bool on = p.dropout_prob > 0.0f;
+  if (on && seed == nullptr) return Status::InvalidArgument("hopper flash attention: dropout needs the seed");
+  dropout->seed = on ? seed : nullptr;
+  dropout->shifted_threshold = on ? DropoutThreshold(p.dropout_prob) << 8 : 0u;
+  dropout->scale = on ? 1.0f / (1.0f - p.dropout_prob) : 1.0f;
   return Status::Ok();
 }
 

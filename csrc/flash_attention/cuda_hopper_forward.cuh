@@ -126,6 +126,14 @@ struct DenseOperand {
   float bias_to_score;           // 1 / softmax scale (a bias in raw q.k units), or 1 / soft cap
 };
 
+// What the kDropout kernels read (PrepareDropoutOperand): the seed (a device scalar, null
+// without dropout), DropoutThreshold << 8 and 1 / (1 - p).
+struct DropoutOperand {
+  const uint32_t* seed;
+  uint32_t shifted_threshold;
+  float scale;
+};
+
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, Elementwise kFeature = Elementwise::kNone>
 struct SmemLayout {
   static constexpr int kBlockM = 64 * kWarpgroups;
@@ -226,10 +234,7 @@ struct KernelParams {
   // (TileHead); div_batch divides by the batch.
   int batch_inner;
   FastDivisor div_batch;
-  // kDropout kernels: the seed (a device scalar), DropoutThreshold << 8 and 1 / (1 - p).
-  const uint32_t* dropout_seed;
-  uint32_t dropout_shifted_threshold;
-  float dropout_scale;
+  DropoutOperand dropout;  // kDropout kernels only
 };
 
 // Host launcher, instantiated per head dim in cuda_hopper_forward_hdim*.cu.
@@ -978,7 +983,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     if constexpr (kDropout) {
       int head, batch;
       TileHead<kDense>(p, tile, &head, &batch);
-      const uint32_t seed = __ldg(p.dropout_seed);
+      const uint32_t seed = __ldg(p.dropout.seed);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         dropout_row_key[r] = DropoutRowKey(seed, static_cast<uint32_t>(batch * p.num_q_heads + head),
@@ -1175,7 +1180,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
               if constexpr (kDropout) {
                 const uint32_t key = static_cast<uint32_t>(tl.k_begin + c0 + 8 * j + 2 * t4 + c);
                 s[4 * j + 2 * r + c] =
-                    DropoutKeepShifted(dropout_row_key[r], key, p.dropout_shifted_threshold) ? e : 0.0f;
+                    DropoutKeepShifted(dropout_row_key[r], key, p.dropout.shifted_threshold) ? e : 0.0f;
               } else {
                 s[4 * j + 2 * r + c] = e;
               }
@@ -1336,7 +1341,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     for (int r = 0; r < 2; ++r) {
       const float sum = row_sum[r];
       // Dropout's 1 / (1 - p) for the kept probabilities comes with the normalisation.
-      const float inv = sum > 0.0f ? (kDropout ? p.dropout_scale : 1.0f) * FastReciprocal(sum) : 0.0f;
+      const float inv = sum > 0.0f ? (kDropout ? p.dropout.scale : 1.0f) * FastReciprocal(sum) : 0.0f;
       const int row = row0 + 8 * r;
       if (staged) {
         // The Q slot's layout (64-column blocks of 128-byte rows, 128-byte swizzle), as the
@@ -1433,6 +1438,8 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtensorMap* map);
 // The call's bias or mask, if any, for tiles of box_rows rows (the forward's and the backward's).
 Status PrepareDenseOperand(const ForwardParams& p, int box_rows, DenseOperand* dense);
+// The call's dropout for both directions' kernels; an error where dropout is on without a seed.
+Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, DropoutOperand* dropout);
 // Whether the call's bias or mask has a plane per head and broadcasts over several batch rows:
 // then both directions number their (batch, head) pairs batch-minor (batch_inner), so that the
 // rows reading one plane's tiles run together and share them through L2.

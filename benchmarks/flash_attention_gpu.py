@@ -137,6 +137,11 @@ def extra_cases() -> list[Case]:
         Case("dropout", 4, 4096, 16, 128, causal=True, dropout=0.1),
         Case("dropout_d64", 4, 4096, 32, 64, causal=True, dropout=0.1),
         Case("dropout_d256", 4, 4096, 8, 256, causal=True, dropout=0.1),
+        # Dropout with a bias (T5's relative positions at d=64, with its gradient) or a mask.
+        Case("dropout_bias", 4, 4096, 16, 128, dense="bias", dropout=0.1),
+        Case("dropout_bias", 4, 4096, 16, 128, causal=True, dense="bias", dropout=0.1),
+        Case("dropout_mask", 4, 4096, 16, 128, dense="mask", dropout=0.1),
+        Case("dropout_dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True, dropout=0.1),
     ]
 
 
@@ -215,8 +220,9 @@ def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
         return None
     if implementation == "xla" and case.dropout:
         # jax.nn.dot_product_attention has no dropout: ejkernel's XLA implementation, same mask.
-        return lambda q, k, v: flash_attention(q, k, v, causal=case.causal, dropout_prob=case.dropout,
-                                               dropout_seed=jnp.asarray(1234, jnp.uint32), platform="xla")
+        return lambda q, k, v, *dense: flash_attention(
+            q, k, v, causal=case.causal, dropout_prob=case.dropout, dropout_seed=jnp.asarray(1234, jnp.uint32),
+            platform="xla", **_dense_kwargs(case, dense, "bias", "attention_mask"))
     kw: dict[str, Any] = dict(is_causal=case.causal, implementation=implementation)
     if case.window >= 0:
         kw["local_window_size"] = (case.window, 0)

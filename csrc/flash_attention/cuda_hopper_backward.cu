@@ -25,6 +25,7 @@ namespace hopper_backward {
 extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<64>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDenseDropout<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -33,6 +34,7 @@ extern template Status LaunchBiasF32<64>(const KernelParams&, bool, bool, Elemen
 extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<96>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDenseDropout<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -41,6 +43,7 @@ extern template Status LaunchBiasF32<96>(const KernelParams&, bool, bool, Elemen
 extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<128>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDenseDropout<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -49,6 +52,7 @@ extern template Status LaunchBiasF32<128>(const KernelParams&, bool, bool, Eleme
 extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<192>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDenseDropout<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
@@ -56,6 +60,7 @@ extern template Status LaunchSegmentsDense<192>(const KernelParams&, bool, bool,
 extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchSegments<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<256>(const KernelParams&, bool, bool, int, cudaStream_t);
+extern template Status LaunchDenseDropout<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
@@ -278,11 +283,15 @@ Status LastLaunch(const char* what) {
 
 // Segment ids, a bias, a mask or dropout take their own kernels (compiled in
 // cuda_hopper_backward_segments_hdim*.cu, cuda_hopper_backward_dense_hdim*.cu,
-// cuda_hopper_backward_bias_f32_hdim*.cu and cuda_hopper_backward_dropout_hdim*.cu).
+// cuda_hopper_backward_bias_f32_hdim*.cu, cuda_hopper_backward_dropout_hdim*.cu and
+// cuda_hopper_backward_dense_dropout_hdim*.cu).
 template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
-  if (kp.dropout.seed != nullptr) return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
+  if (kp.dropout.seed != nullptr) {
+    if (feature != Elementwise::kNone) return LaunchDenseDropout<kHeadDim>(kp, f16, softcap, feature, batch, stream);
+    return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
+  }
   if (Has(feature, Elementwise::kBiasF32)) {
     if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {
       return LaunchBiasF32<kHeadDim>(kp, f16, softcap, feature, batch, stream);
@@ -361,6 +370,10 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
     }
   }
   if (std::string why = hopper::DropoutUnsupportedReason(call); !why.empty()) return no(why);
+  // Those rows would each hash as batch row 0.
+  if (call.dropout && hopper_backward::DeterministicRowsSumDbias(p, dims, device)) {
+    return no("deterministic mode with dropout and the gradient of a bias broadcast over the batch is not supported");
+  }
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");

@@ -1241,6 +1241,25 @@ Status LaunchDropout(const KernelParams& kp, bool f16, bool softcap, int batch, 
   }
 }
 
+// Dropout with `feature` (a bias of the query's dtype, its gradient or not, or a mask), without
+// a soft cap or segment ids (hopper::DropoutUnsupportedReason).
+template <int kHeadDim>
+Status LaunchDenseDropout(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                          cudaStream_t stream) {
+  if (softcap || kp.q_segment_ids != nullptr) {
+    return Status::Internal("hopper flash attention backward: no dropout kernel with a bias or mask and a soft cap "
+                            "or segment ids");
+  }
+  switch (feature) {
+    case Elementwise::kMask: return LaunchDType<kHeadDim, false, Elementwise::kMaskDropout>(kp, f16, batch, stream);
+    case Elementwise::kBias: return LaunchDType<kHeadDim, false, Elementwise::kBiasDropout>(kp, f16, batch, stream);
+    case Elementwise::kBiasWithGrad:
+      return LaunchDType<kHeadDim, false, Elementwise::kBiasWithGradDropout>(kp, f16, batch, stream);
+    default:
+      return Status::Internal("hopper flash attention backward: no dropout kernel with a float32 bias");
+  }
+}
+
 // `feature` (a bias, its gradient or not, or a mask) with kWith (segment ids, or nothing).
 template <int kHeadDim, Elementwise kWith>
 Status LaunchDenseWith(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,

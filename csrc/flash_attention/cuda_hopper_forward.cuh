@@ -73,7 +73,8 @@ struct TileConstants {
 // segment ids (the keys' ids), a dense bias or attention mask ([kBlockM x kBlockN] tile), or
 // segment ids with one of those; kBiasF32: a float32 bias with bf16/f16 inputs; kBiasWithGrad,
 // backward kernels only: a bias whose gradient the kernel also writes; kDropout: dropout (no
-// per-key-tile data: each element hashes its indices, semantics.h), alone or with segment ids.
+// per-key-tile data: each element hashes its indices, semantics.h), alone, with segment ids,
+// or with a bias of the query's dtype or a mask.
 // Every combination a kernel is built for has a name: nvcc's host stubs spell a kernel's enum
 // template arguments by their enumerators.
 enum class Elementwise : unsigned {
@@ -91,6 +92,9 @@ enum class Elementwise : unsigned {
   kSegmentIdsBiasF32WithGrad = kSegmentIds | kBiasF32WithGrad,
   kDropout = 32,
   kSegmentIdsDropout = kSegmentIds | kDropout,
+  kBiasDropout = kBias | kDropout,
+  kBiasWithGradDropout = kBiasWithGrad | kDropout,
+  kMaskDropout = kMask | kDropout,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
   return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -1631,7 +1635,7 @@ Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStrea
                 : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
 }
 
-// Calls with dropout (HopperSupportsKind: without a bias or mask), with or without segment ids;
+// Calls with dropout without a bias or mask, with or without segment ids;
 // instantiated per head dim in cuda_hopper_forward_dropout_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
@@ -1647,6 +1651,25 @@ Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
              : LaunchMasked<kHeadDim, false, Elementwise::kDropout>(args, cfg, stream);
 }
 
+// Calls with dropout and a bias of the query's dtype or an attention mask (both folded into one
+// bias where needed), without a soft cap or segment ids (DropoutUnsupportedReason); instantiated
+// per head dim in cuda_hopper_forward_dense_dropout_hdim*.cu.
+template <int kHeadDim>
+Status LaunchDenseDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  const ForwardParams& p = args.p;
+  if (p.logits_soft_cap > 0.0f || p.q_segment_ids.present() || (p.bias.present() && p.bias.dtype != p.q.dtype)) {
+    return Status::Internal("hopper flash attention: no dropout kernel with a bias or mask and a soft cap, segment "
+                            "ids or a float32 bias");
+  }
+  const bool masked = CausalOrWindow(ForwardCallOf(p, args.dims));
+  if (p.bias.present()) {
+    return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBiasDropout>(args, cfg, stream)
+                  : LaunchDType<kHeadDim, false, false, Elementwise::kBiasDropout>(args, cfg, stream);
+  }
+  return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kMaskDropout>(args, cfg, stream)
+                : LaunchDType<kHeadDim, false, false, Elementwise::kMaskDropout>(args, cfg, stream);
+}
+
 // Calls with segment ids and a bias or an attention mask (DenseUnsupportedReason); instantiated
 // per head dim in cuda_hopper_forward_segments_dense_hdim*.cu.
 template <int kHeadDim>
@@ -1659,7 +1682,10 @@ Status LaunchSegmentsDense(const CudaForwardArgs& args, const CudaConfig& cfg, c
 
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  if (args.p.dropout_prob > 0.0f) return LaunchDropout<kHeadDim>(args, cfg, stream);
+  if (args.p.dropout_prob > 0.0f) {
+    if (args.p.bias.present() || args.p.mask.present()) return LaunchDenseDropout<kHeadDim>(args, cfg, stream);
+    return LaunchDropout<kHeadDim>(args, cfg, stream);
+  }
   // A bias of another dtype than the query's arrives here as float32 (folded where it was not).
   if (args.p.bias.present() && args.p.bias.dtype == DType::kF32) {
     if constexpr (kHeadDim <= 192) {

@@ -6,6 +6,8 @@ namespace ejk::flash_attention::hopper {
 // Compiled in the other cuda_hopper_forward_*_hdim128.cu files.
 extern template Status LaunchSegments<128>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDropout<128>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDenseDropout<128>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                               cudaStream_t stream);
 extern template Status LaunchSegmentsDense<128>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<128>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

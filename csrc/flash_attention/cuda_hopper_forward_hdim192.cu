@@ -6,6 +6,8 @@ namespace ejk::flash_attention::hopper {
 // Compiled in the other cuda_hopper_forward_*_hdim192.cu files.
 extern template Status LaunchSegments<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDropout<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDenseDropout<192>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                               cudaStream_t stream);
 extern template Status LaunchSegmentsDense<192>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

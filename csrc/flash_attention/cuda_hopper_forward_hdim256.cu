@@ -6,6 +6,8 @@ namespace ejk::flash_attention::hopper {
 // Compiled in the other cuda_hopper_forward_*_hdim256.cu files.
 extern template Status LaunchSegments<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDenseDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                               cudaStream_t stream);
 extern template Status LaunchSegmentsDense<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

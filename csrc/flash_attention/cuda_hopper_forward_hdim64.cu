@@ -6,6 +6,8 @@ namespace ejk::flash_attention::hopper {
 // Compiled in the other cuda_hopper_forward_*_hdim64.cu files.
 extern template Status LaunchSegments<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDropout<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDenseDropout<64>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                              cudaStream_t stream);
 extern template Status LaunchSegmentsDense<64>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
 extern template Status LaunchDense<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

@@ -6,6 +6,8 @@ namespace ejk::flash_attention::hopper {
 // Compiled in the other cuda_hopper_forward_*_hdim96.cu files.
 extern template Status LaunchSegments<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDropout<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+extern template Status LaunchDenseDropout<96>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                              cudaStream_t stream);
 extern template Status LaunchSegmentsDense<96>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
 extern template Status LaunchDense<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

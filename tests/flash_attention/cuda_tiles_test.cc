@@ -111,14 +111,38 @@ TEST(HopperForwardTiles, DropoutRunsWithoutPerElementOperands) {
   c.varlen = false;
   c.segment_ids = true;
   EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
+}
+
+// With a bias of the query's dtype or a mask (folded or not), the kernels take dropout; not with
+// a float32 bias, a soft cap, segment ids, or a fold per batch row.
+TEST(HopperForwardTiles, DropoutWithABiasOrMask) {
   for (bool ForwardCall::*operand : {&ForwardCall::bias, &ForwardCall::mask}) {
-    ForwardCall with = Call(128, 4096, 4096);
+    ForwardCall with = Causal(Call(64, 4096, 4096));
     with.dropout = true;
     with.*operand = true;
-    EXPECT_NE(hopper::DropoutUnsupportedReason(with), "");
-    with.dropout = false;
     EXPECT_EQ(hopper::DropoutUnsupportedReason(with), "");
+    EXPECT_EQ(ForwardTiles(with), (Tiles{hopper::kTileDense}));  // the dense tile, not the per-element one
+    with.head_dim = 256;
+    EXPECT_EQ(ForwardTiles(with), (Tiles{hopper::kTileDenseNarrow}));
+    for (bool ForwardCall::*other : {&ForwardCall::soft_cap, &ForwardCall::segment_ids}) {
+      ForwardCall more = with;
+      more.*other = true;
+      EXPECT_NE(hopper::DropoutUnsupportedReason(more), "");
+      more.dropout = false;
+      EXPECT_EQ(hopper::DropoutUnsupportedReason(more), "");
+    }
   }
+  ForwardCall f32 = Call(128, 4096, 4096);
+  f32.dropout = f32.bias = f32.bias_f32 = true;
+  EXPECT_NE(hopper::DropoutUnsupportedReason(f32), "");
+  ForwardCall both = Call(128, 4096, 1000);
+  both.dropout = both.bias = both.mask = true;
+  hopper::PlanFold(1, 8, 4, 1, &both);  // [1, H] with [B, 1]: one batch row at a time
+  EXPECT_TRUE(both.fold_per_row);
+  EXPECT_NE(hopper::DropoutUnsupportedReason(both), "");
+  hopper::PlanFold(4, 8, 4, 1, &both);  // folded whole
+  EXPECT_FALSE(both.fold_per_row);
+  EXPECT_EQ(hopper::DropoutUnsupportedReason(both), "");
 }
 
 TEST(HopperForwardTiles, LargeHeadDimsHaveOneTileAndOthersNone) {

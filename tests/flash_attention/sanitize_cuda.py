@@ -82,7 +82,7 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
 # multiple of 16, then not (the operand folded into rows padded to 8 elements). A bias of
 # another dtype (the forward's float32 tile): float32 with a mask (folded per batch row), and
 # float16 with bf16 inputs (converted); float32 in deterministic mode (d64: the warpgroups' dQ
-# halves exchanged through shared memory).
+# halves exchanged through shared memory). Dropout with a bias, and with a mask.
 for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (64, 77, 77), (128, 50, 200),
                                (192, 70, 144), (256, 131, 200)):
     q, k, v = normal(2, seq_q, 4, head_dim), normal(2, seq_k, 2, head_dim), normal(2, seq_k, 2, head_dim)
@@ -92,7 +92,9 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
                   dict(bias=bias, causal=True, deterministic=True), dict(attention_mask=mask, deterministic=True),
                   dict(bias=bias.astype(jnp.float32), attention_mask=mask, causal=True),
                   dict(bias=bias.astype(jnp.float32), causal=True, deterministic=True),
-                  dict(bias=bias.astype(jnp.float16), logits_soft_cap=5.0)):
+                  dict(bias=bias.astype(jnp.float16), logits_soft_cap=5.0),
+                  dict(bias=bias, dropout_prob=0.2, dropout_seed=11),
+                  dict(attention_mask=mask, causal=True, dropout_prob=0.3, dropout_seed=12, deterministic=True)):
         def dense_loss(q, k, v):
             return jnp.sum(flash_attention(q, k, v, platform="cuda", **dense).astype(jnp.float32) ** 2)
 
@@ -108,8 +110,8 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
     calls += 2
 
     # A bias with a plane per (batch, head): its gradient stored once per element in its own
-    # dtype, without zeroing first where no causal mask lets blocks skip query tiles (with
-    # dropout: the mma.sync backward).
+    # dtype, without zeroing first where no causal mask lets blocks skip query tiles, with
+    # dropout too.
     bias_bh = normal(2, 4, seq_q, seq_k)
     for extra in (dict(), dict(causal=True), dict(dropout_prob=0.2, dropout_seed=3)):
         def own_dtype_loss(q, k, v, bias):

@@ -149,6 +149,21 @@ CASES = [
          kv_heads=2, head_dim=128, causal=True, segments=True, dropout=0.2),
     Case("tiles_dropout_segments_shuffled_deterministic_f16_d64_sq<sk", dtype="float16", batch=2, seq_q=200,
          seq_k=333, segments="shuffled", dropout=0.3, deterministic=True),
+    # Dropout with a bias or a mask on the Hopper kernels (the dense kernels hash too): a bias of
+    # the inputs' dtype with its gradient or without, a mask read as it is (keys a multiple of
+    # 16) or folded, and a bias with a mask folded into one.
+    Case("tiles_dropout_bias_causal_bf16_d64_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4,
+         kv_heads=2, causal=True, bias="1H", dropout=0.2),
+    Case("tiles_dropout_mask_window_f16_d128_sq>sk", dtype="float16", batch=2, seq_q=259, seq_k=320, q_heads=2,
+         kv_heads=1, head_dim=128, window=(90, 20), mask="B1", dropout=0.3),
+    Case("tiles_dropout_bias_mask_deterministic_bf16_d128", dtype="bfloat16", batch=2, seq_q=301, seq_k=203,
+         q_heads=2, kv_heads=2, head_dim=128, bias="BH", mask="11", dropout=0.15, deterministic=True),
+    Case("tiles_dropout_constant_bias_causal_f16_d256", dtype="float16", batch=1, seq_q=200, seq_k=200, q_heads=2,
+         kv_heads=1, head_dim=256, causal=True, bias="11", bias_constant=True, dropout=0.1),
+    Case("tiles_dropout_mask_bf16_d192_sinks", dtype="bfloat16", batch=1, seq_q=150, seq_k=272, q_heads=2,
+         kv_heads=2, head_dim=192, mask="BH", sinks=True, dropout=0.25),
+    Case("tiles_dropout_bias_deterministic_f16_d96", dtype="float16", batch=2, seq_q=130, seq_k=264, q_heads=2,
+         kv_heads=1, head_dim=96, bias="BH", dropout=0.2, deterministic=True),
     # The Hopper forward visits key tiles last to first, so with the first keys the largest a
     # row's running max keeps rising: by more than the d256 kernel's slack (its O rescaled)
     # and by less (the stale max kept).

@@ -119,6 +119,64 @@ def test_platforms_agree(rng):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), atol=2e-5, rtol=2e-5)
 
 
+@pytest.fixture
+def cpu_kernels_for_head_dims(monkeypatch):
+    """The native CPU entry as if it were built for head dims 64 and 128 only, as the CUDA
+    kernels are built for a few: the C++ rule answers for the others with a head_dim reason."""
+    from ejkernel.kernels.flash_attention import _ffi as fa
+
+    real = _native.unsupported_reason
+
+    def reason(op, platform, signature):
+        if op == fa.OP and platform == "cpu" and signature["head_dim"] not in (64, 128):
+            return f"head_dim {signature['head_dim']} is not built"
+        return real(op, platform, signature)
+
+    fa._padded_head_dim.cache_clear()
+    monkeypatch.setattr(_native, "unsupported_reason", reason)
+    yield
+    fa._padded_head_dim.cache_clear()
+
+
+@native_cpu
+@pytest.mark.parametrize("head_dim, padded", [(40, 64), (80, 128)])
+def test_head_dim_between_built_ones_runs_zero_padded(head_dim, padded, rng, caplog, cpu_kernels_for_head_dims):
+    """A head dim the native kernels lack runs at the next one they have, query, key and value
+    zero-padded: the same output, lse and gradients as XLA at the true head dim (whose
+    1/sqrt(head_dim) stays the scale)."""
+    q, k, v = _qkv(rng, d=head_dim)
+    kwargs = dict(causal=True, bias=jnp.asarray(rng.standard_normal((1, 4, 37, 41)), jnp.float32))
+
+    def loss(platform, q, k, v):
+        out, lse = flash_attention(q, k, v, platform=platform, return_lse=True, **kwargs)
+        return jnp.sum(out * out) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    with caplog.at_level(logging.DEBUG, logger="ejkernel"):
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)("cpu", q, k, v)
+    assert any(f"head_dim {head_dim} runs zero-padded to {padded}" in r.getMessage() for r in caplog.records)
+    (_, (want, want_lse)), want_grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)("xla", q, k, v)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=2e-5, rtol=2e-5)
+    for got, ref in zip(grads, want_grads):
+        assert got.shape == ref.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+    # The automatic choice takes the native kernel (no reason left), and a head dim past every
+    # built one still falls back.
+    with caplog.at_level(logging.DEBUG, logger="ejkernel"):
+        caplog.clear()
+        flash_attention(q, k, v)
+    assert any("platform=cpu" in r.getMessage() for r in caplog.records)
+
+
+@native_cpu
+def test_head_dim_past_the_built_ones_is_not_padded(rng, cpu_kernels_for_head_dims):
+    from ejkernel.kernels.flash_attention import native_unsupported
+
+    q, k, v = _qkv(rng, d=136)
+    assert native_unsupported("cpu", normalize(q, k, v)) == ["head_dim 136 is not built"]
+
+
 def test_seed_quick_start(rng):
     executor = create_default_executor()
     attention = FlashAttention()

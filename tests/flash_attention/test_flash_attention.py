@@ -164,6 +164,14 @@ CASES = [
          kv_heads=2, head_dim=192, mask="BH", sinks=True, dropout=0.25),
     Case("tiles_dropout_bias_deterministic_f16_d96", dtype="float16", batch=2, seq_q=130, seq_k=264, q_heads=2,
          kv_heads=1, head_dim=96, bias="BH", dropout=0.2, deterministic=True),
+    # Head dims no CUDA kernel is built for run zero-padded to the next built one (80 -> 96,
+    # 40 -> 64, 160 -> 192), with every operand and gradient.
+    Case("tiles_d80_padded_bf16_causal_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,
+         head_dim=80, causal=True, sinks=True),
+    Case("tiles_d40_padded_f16_bias_dropout", dtype="float16", batch=2, seq_q=200, seq_k=264, q_heads=2,
+         kv_heads=1, head_dim=40, bias="1H", dropout=0.1),
+    Case("tiles_d160_padded_bf16_window_deterministic", dtype="bfloat16", batch=1, seq_q=259, seq_k=259,
+         q_heads=2, kv_heads=2, head_dim=160, window=(70, 9), deterministic=True),
     # The Hopper forward visits key tiles last to first, so with the first keys the largest a
     # row's running max keeps rising: by more than the d256 kernel's slack (its O rescaled)
     # and by less (the stale max kept).
@@ -620,7 +628,8 @@ def random_varlen(rng: np.random.Generator, max_len: int) -> tuple:
 def random_case(rng: np.random.Generator, name: str, max_len: int, max_scores: float) -> Case:
     """Features drawn independently (each with its own odds), shapes from a few keys up to
     max_len, with at most max_scores score elements (batch x heads x queries x keys)."""
-    head_dim = int(rng.choice([64, 64, 96, 128, 128, 128, 192, 256, 256]))
+    # 32 and 80: head dims the CUDA kernels run zero-padded (to 64 and 96).
+    head_dim = int(rng.choice([32, 64, 64, 80, 96, 128, 128, 128, 192, 256, 256]))
     kv_heads = int(rng.integers(1, 3))
     q_heads = kv_heads * int(rng.choice([1, 2, 4]))
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ... import _native
 from ...registry import Backend, Platform, kernel_registry
-from ._ffi import flash_attention_native
+from ._ffi import flash_attention_native, native_signature
 from ._validate import AttentionArgs, normalize
 from ._xla import flash_attention_xla
 
@@ -50,14 +50,15 @@ def xla_candidates(args: AttentionArgs) -> list[FlashAttentionConfig]:
 def heuristic_config(platform: str, args: AttentionArgs) -> FlashAttentionConfig:
     if platform == Platform.XLA.value:
         return xla_heuristic(args)
-    found = _native.heuristic_config(OP, platform, args.signature())
+    found = _native.heuristic_config(OP, platform, native_signature(platform, args))
     return FlashAttentionConfig(**found) if found else FlashAttentionConfig()
 
 
 def config_candidates(platform: str, args: AttentionArgs) -> list[FlashAttentionConfig]:
     if platform == Platform.XLA.value:
         return xla_candidates(args)
-    return [FlashAttentionConfig(**c) for c in _native.config_candidates(OP, platform, args.signature())]
+    signature = native_signature(platform, args)
+    return [FlashAttentionConfig(**c) for c in _native.config_candidates(OP, platform, signature)]
 
 
 def native_features(platform: str) -> set[str]:
@@ -72,7 +73,7 @@ def native_unsupported(platform: str, args: AttentionArgs) -> list[str]:
     """What keeps the native `platform` implementation from serving this call: features it
     lacks, then the C++ entry's own reason (dtype, head dim, ...). Empty when it can."""
     missing = sorted(set(args.features()) - native_features(platform))
-    reason = _native.unsupported_reason(OP, platform, args.signature())
+    reason = _native.unsupported_reason(OP, platform, native_signature(platform, args))
     return missing + ([reason] if reason else [])
 
 
@@ -137,6 +138,7 @@ __all__ = [
     "flash_attention_xla",
     "heuristic_config",
     "native_features",
+    "native_signature",
     "native_unsupported",
     "normalize",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 from typing import Any
 
 import jax
@@ -23,6 +24,8 @@ from ... import _native
 from ._validate import AttentionArgs
 
 OP = "flash_attention"
+
+logger = logging.getLogger("ejkernel")
 
 # Bits of the `operands` attribute (csrc/flash_attention/ffi_common.h).
 _HAS_BIAS, _HAS_MASK, _HAS_AUX, _HAS_CU_SEQLENS, _HAS_SEGMENT_IDS, _HAS_DLSE, _NO_BIAS_GRAD = 1, 2, 4, 8, 16, 32, 64
@@ -314,6 +317,49 @@ def _attention_fn(static: _Static):
     return attention
 
 
+# Head dims are padded up to at most this (the largest any native kernel is built for).
+_MAX_PADDED_HEAD_DIM = 256
+
+
+def _with_head_dim(signature: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    return {**signature, "head_dim": head_dim}
+
+
+@functools.lru_cache(maxsize=4096)
+def _padded_head_dim(platform: str, signature_json: str) -> int | None:
+    """The smallest larger head dim the native `platform` takes this call at, where it does
+    not take the call's own (the C++ entry's rule, asked for each multiple of 8); None where
+    it takes its own or none. Cached: a call unsupported for another reason asks 32 times."""
+    signature = json.loads(signature_json)
+    head_dim = signature["head_dim"]
+    if _native.unsupported_reason(OP, platform, signature) is None:
+        return None
+    for padded in range((head_dim // 8 + 1) * 8, _MAX_PADDED_HEAD_DIM + 1, 8):
+        if _native.unsupported_reason(OP, platform, _with_head_dim(signature, padded)) is None:
+            return padded
+    return None
+
+
+def native_signature(platform: str, args: AttentionArgs) -> dict[str, Any]:
+    """The registry signature of the call the native `platform` runs for `args`: its own, or,
+    where the kernels are not built for its head dim, the same at the next head dim they take
+    (flash_attention_native then zero-pads query, key and value to it)."""
+    signature = args.signature()
+    padded = _padded_head_dim(platform, json.dumps(signature, sort_keys=True))
+    return signature if padded is None else _with_head_dim(signature, padded)
+
+
+def _zero_padded(args: AttentionArgs, head_dim: int) -> AttentionArgs:
+    """Query, key and value with zero columns up to `head_dim`: they add nothing to q.k, and
+    V's give output columns of zeros (dropped after the call); the softmax scale stays the
+    call's (1/sqrt of the true head dim by default)."""
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0),) * 3 + ((0, head_dim - x.shape[-1]),))
+
+    return dataclasses.replace(args, query=pad(args.query), key=pad(args.key), value=pad(args.value))
+
+
 def flash_attention_native(
     platform: str,
     args: AttentionArgs,
@@ -325,8 +371,16 @@ def flash_attention_native(
     num_stages: int = 0,
     backward: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs the native kernel of `platform` ("cpu" or "cuda"); returns (out, lse)."""
+    """Runs the native kernel of `platform` ("cpu" or "cuda"); returns (out, lse). A head dim
+    its kernels are not built for runs zero-padded to the next one they are (native_signature)."""
     _native.ensure_ffi_targets(OP, platform)
+    head_dim, padded = args.query.shape[-1], native_signature(platform, args)["head_dim"]
+    if padded != head_dim:
+        logger.debug("flash_attention on %s: head_dim %d runs zero-padded to %d", platform, head_dim, padded)
+        out, lse = flash_attention_native(
+            platform, _zero_padded(args, padded), block_q=block_q, block_k=block_k, num_threads=num_threads,
+            num_warps=num_warps, num_stages=num_stages, backward=backward)
+        return out[..., :head_dim], lse
     operands = (
         (_HAS_BIAS if args.bias is not None else 0)
         | (_HAS_MASK if args.attention_mask is not None else 0)

@@ -146,6 +146,8 @@ def extra_cases() -> list[Case]:
         Case("dropout_bias", 4, 4096, 16, 128, causal=True, dense="bias", dropout=0.1),
         Case("dropout_mask", 4, 4096, 16, 128, dense="mask", dropout=0.1),
         Case("dropout_dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True, dropout=0.1),
+        Case("dropout_bias_f32", 4, 4096, 16, 128, dense="bias_f32", dropout=0.1),
+        Case("dropout_mask_d64", 4, 4096, 32, 64, dense="mask", dropout=0.1),
     ]
 
 

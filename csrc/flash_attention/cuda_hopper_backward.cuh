@@ -1241,8 +1241,9 @@ Status LaunchDropout(const KernelParams& kp, bool f16, bool softcap, int batch, 
   }
 }
 
-// Dropout with `feature` (a bias of the query's dtype, its gradient or not, or a mask), without
-// a soft cap or segment ids (hopper::DropoutUnsupportedReason).
+// Dropout with `feature` (a bias, its gradient or not, read as float32 from head dim 64 to 128
+// where its dtype is not the query's, or a mask), without a soft cap or segment ids
+// (hopper::DropoutUnsupportedReason).
 template <int kHeadDim>
 Status LaunchDenseDropout(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                           cudaStream_t stream) {
@@ -1255,9 +1256,18 @@ Status LaunchDenseDropout(const KernelParams& kp, bool f16, bool softcap, Elemen
     case Elementwise::kBias: return LaunchDType<kHeadDim, false, Elementwise::kBiasDropout>(kp, f16, batch, stream);
     case Elementwise::kBiasWithGrad:
       return LaunchDType<kHeadDim, false, Elementwise::kBiasWithGradDropout>(kp, f16, batch, stream);
-    default:
-      return Status::Internal("hopper flash attention backward: no dropout kernel with a float32 bias");
+    default: break;
   }
+  if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {
+    if (feature == Elementwise::kBiasF32) {
+      return LaunchDType<kHeadDim, false, Elementwise::kBiasF32Dropout>(kp, f16, batch, stream);
+    }
+    if (feature == Elementwise::kBiasF32WithGrad) {
+      return LaunchDType<kHeadDim, false, Elementwise::kBiasF32WithGradDropout>(kp, f16, batch, stream);
+    }
+  }
+  return Status::Internal("hopper flash attention backward: no dropout kernel for this bias at head_dim " +
+                          std::to_string(kHeadDim));
 }
 
 // `feature` (a bias, its gradient or not, or a mask) with kWith (segment ids, or nothing).

@@ -74,7 +74,7 @@ struct TileConstants {
 // segment ids with one of those; kBiasF32: a float32 bias with bf16/f16 inputs; kBiasWithGrad,
 // backward kernels only: a bias whose gradient the kernel also writes; kDropout: dropout (no
 // per-key-tile data: each element hashes its indices, semantics.h), alone, with segment ids,
-// or with a bias of the query's dtype or a mask.
+// or with a bias or a mask.
 // Every combination a kernel is built for has a name: nvcc's host stubs spell a kernel's enum
 // template arguments by their enumerators.
 enum class Elementwise : unsigned {
@@ -94,6 +94,8 @@ enum class Elementwise : unsigned {
   kSegmentIdsDropout = kSegmentIds | kDropout,
   kBiasDropout = kBias | kDropout,
   kBiasWithGradDropout = kBiasWithGrad | kDropout,
+  kBiasF32Dropout = kBiasF32 | kDropout,
+  kBiasF32WithGradDropout = kBiasF32WithGrad | kDropout,
   kMaskDropout = kMask | kDropout,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
@@ -1651,17 +1653,26 @@ Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
              : LaunchMasked<kHeadDim, false, Elementwise::kDropout>(args, cfg, stream);
 }
 
-// Calls with dropout and a bias of the query's dtype or an attention mask (both folded into one
-// bias where needed), without a soft cap or segment ids (DropoutUnsupportedReason); instantiated
-// per head dim in cuda_hopper_forward_dense_dropout_hdim*.cu.
+// Calls with dropout and a bias or an attention mask (both folded into one bias where needed;
+// a bias of another dtype than the query's read as float32, up to head dim 192), without a
+// soft cap or segment ids (DropoutUnsupportedReason); instantiated per head dim in
+// cuda_hopper_forward_dense_dropout_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDenseDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   const ForwardParams& p = args.p;
-  if (p.logits_soft_cap > 0.0f || p.q_segment_ids.present() || (p.bias.present() && p.bias.dtype != p.q.dtype)) {
-    return Status::Internal("hopper flash attention: no dropout kernel with a bias or mask and a soft cap, segment "
-                            "ids or a float32 bias");
+  if (p.logits_soft_cap > 0.0f || p.q_segment_ids.present()) {
+    return Status::Internal("hopper flash attention: no dropout kernel with a bias or mask and a soft cap or "
+                            "segment ids");
   }
   const bool masked = CausalOrWindow(ForwardCallOf(p, args.dims));
+  if (p.bias.present() && p.bias.dtype == DType::kF32) {
+    if constexpr (kHeadDim <= 192) {
+      return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBiasF32Dropout>(args, cfg, stream)
+                    : LaunchDType<kHeadDim, false, false, Elementwise::kBiasF32Dropout>(args, cfg, stream);
+    } else {
+      return Status::Internal("hopper flash attention: no float32 bias kernel at head_dim 256");
+    }
+  }
   if (p.bias.present()) {
     return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBiasDropout>(args, cfg, stream)
                   : LaunchDType<kHeadDim, false, false, Elementwise::kBiasDropout>(args, cfg, stream);

@@ -118,7 +118,6 @@ std::string BackwardDenseUnsupportedReason(const ForwardCall& c) {
 
 std::string DropoutUnsupportedReason(const ForwardCall& c) {
   if (!c.dropout || (!c.bias && !c.mask)) return "";
-  if (c.bias_f32) return "dropout with a bias of another dtype than the query's is not supported";
   if (c.soft_cap) return "dropout with a bias or an attention mask and a soft cap is not supported";
   if (c.segment_ids) return "dropout with a bias or an attention mask and segment ids is not supported";
   if (c.fold_per_row) {

@@ -166,9 +166,9 @@ std::string DenseUnsupportedReason(const ForwardCall& c);
 std::string BackwardDenseUnsupportedReason(const ForwardCall& c);
 
 // Why the Hopper kernels (both directions) do not take this call's dropout, "" when they do (or
-// the call has none). With a bias or an attention mask they take it where the kernels read a
-// bias of the query's dtype or a mask (folded or not), without a soft cap or segment ids, and
-// where the call runs whole (not one batch row at a time: the dropout hash numbers the batch).
+// the call has none). With a bias or an attention mask they take it where they take the
+// operand (DenseUnsupportedReason), without a soft cap or segment ids, and where the call runs
+// whole (not one batch row at a time: the dropout hash numbers the batch).
 std::string DropoutUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff

@@ -113,8 +113,8 @@ TEST(HopperForwardTiles, DropoutRunsWithoutPerElementOperands) {
   EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
 }
 
-// With a bias of the query's dtype or a mask (folded or not), the kernels take dropout; not with
-// a float32 bias, a soft cap, segment ids, or a fold per batch row.
+// With a bias or a mask (folded or not), the kernels take dropout; not with a soft cap,
+// segment ids, or a fold per batch row.
 TEST(HopperForwardTiles, DropoutWithABiasOrMask) {
   for (bool ForwardCall::*operand : {&ForwardCall::bias, &ForwardCall::mask}) {
     ForwardCall with = Causal(Call(64, 4096, 4096));
@@ -133,8 +133,9 @@ TEST(HopperForwardTiles, DropoutWithABiasOrMask) {
     }
   }
   ForwardCall f32 = Call(128, 4096, 4096);
-  f32.dropout = f32.bias = f32.bias_f32 = true;
-  EXPECT_NE(hopper::DropoutUnsupportedReason(f32), "");
+  f32.dropout = f32.bias = f32.bias_f32 = true;  // a float32 bias: where the kernels read one
+  EXPECT_EQ(hopper::DropoutUnsupportedReason(f32), "");
+  EXPECT_EQ(ForwardTiles(f32), (Tiles{hopper::kTileDenseNarrow}));
   ForwardCall both = Call(128, 4096, 1000);
   both.dropout = both.bias = both.mask = true;
   hopper::PlanFold(1, 8, 4, 1, &both);  // [1, H] with [B, 1]: one batch row at a time

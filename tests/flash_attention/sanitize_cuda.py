@@ -94,6 +94,7 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
                   dict(bias=bias.astype(jnp.float32), causal=True, deterministic=True),
                   dict(bias=bias.astype(jnp.float16), logits_soft_cap=5.0),
                   dict(bias=bias, dropout_prob=0.2, dropout_seed=11),
+                  dict(bias=bias.astype(jnp.float32), causal=True, dropout_prob=0.2, dropout_seed=13),
                   dict(attention_mask=mask, causal=True, dropout_prob=0.3, dropout_seed=12, deterministic=True)):
         def dense_loss(q, k, v):
             return jnp.sum(flash_attention(q, k, v, platform="cuda", **dense).astype(jnp.float32) ** 2)

@@ -164,6 +164,14 @@ CASES = [
          kv_heads=2, head_dim=192, mask="BH", sinks=True, dropout=0.25),
     Case("tiles_dropout_bias_deterministic_f16_d96", dtype="float16", batch=2, seq_q=130, seq_k=264, q_heads=2,
          kv_heads=1, head_dim=96, bias="BH", dropout=0.2, deterministic=True),
+    # A float32 bias with dropout: d64's 64-query backward tiles, d128 deterministic, and d192,
+    # whose backward with a float32 bias runs on mma.sync after the Hopper forward.
+    Case("tiles_dropout_bias_f32_causal_bf16_d64_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=296, q_heads=4,
+         kv_heads=2, causal=True, bias="1H", bias_dtype="float32", dropout=0.2),
+    Case("tiles_dropout_bias_f32_deterministic_f16_d128", dtype="float16", batch=2, seq_q=201, seq_k=260, q_heads=2,
+         kv_heads=2, head_dim=128, bias="BH", bias_dtype="float32", dropout=0.3, deterministic=True),
+    Case("tiles_dropout_bias_f32_window_bf16_d192", dtype="bfloat16", batch=1, seq_q=259, seq_k=200, q_heads=2,
+         kv_heads=1, head_dim=192, window=(60, 4), bias="11", bias_dtype="float32", dropout=0.15),
     # Head dims no CUDA kernel is built for run zero-padded to the next built one (80 -> 96,
     # 40 -> 64, 160 -> 192), with every operand and gradient.
     Case("tiles_d80_padded_bf16_causal_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,

@@ -170,6 +170,22 @@ def test_head_dim_between_built_ones_runs_zero_padded(head_dim, padded, rng, cap
 
 
 @native_cpu
+def test_zero_padded_head_dim_under_jit_and_vmap(rng, cpu_kernels_for_head_dims):
+    q, k, v = (jnp.stack([x, x[::-1]]) for x in _qkv(rng, d=80))
+
+    @jax.jit
+    @jax.vmap
+    def mapped(q, k, v):
+        return flash_attention(q, k, v, causal=True, platform="cpu")
+
+    got = mapped(q, k, v)
+    assert got.shape == q.shape
+    for i in range(2):
+        want = flash_attention(q[i], k[i], v[i], causal=True, platform="xla")
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@native_cpu
 def test_head_dim_past_the_built_ones_is_not_padded(rng, cpu_kernels_for_head_dims):
     from ejkernel.kernels.flash_attention import native_unsupported
 

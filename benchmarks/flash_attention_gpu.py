@@ -201,10 +201,14 @@ def _segment_ids(case: Case, lengths) -> jax.Array:
     return jnp.asarray(np.broadcast_to(ids, (case.batch, case.seqlen)), jnp.int32)
 
 
+# The seed of every dropout case (ours and XLA draw the same mask from it).
+DROPOUT_SEED = 1234
+
+
 def _ours(case: Case, lengths) -> Callable:
     kw: dict[str, Any] = dict(causal=case.causal, deterministic=case.deterministic, platform="cuda")
     if case.dropout:
-        kw.update(dropout_prob=case.dropout, dropout_seed=jnp.asarray(1234, jnp.uint32))
+        kw.update(dropout_prob=case.dropout, dropout_seed=DROPOUT_SEED)
     if case.window >= 0:
         kw["sliding_window"] = (case.window, 0)
     if case.segments:
@@ -227,7 +231,7 @@ def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
     if implementation == "xla" and case.dropout:
         # jax.nn.dot_product_attention has no dropout: ejkernel's XLA implementation, same mask.
         return lambda q, k, v, *dense: flash_attention(
-            q, k, v, causal=case.causal, dropout_prob=case.dropout, dropout_seed=jnp.asarray(1234, jnp.uint32),
+            q, k, v, causal=case.causal, dropout_prob=case.dropout, dropout_seed=DROPOUT_SEED,
             platform="xla", **_dense_kwargs(case, dense, "bias", "attention_mask"))
     kw: dict[str, Any] = dict(is_causal=case.causal, implementation=implementation)
     if case.window >= 0:

@@ -374,13 +374,11 @@ def flash_attention_native(
     """Runs the native kernel of `platform` ("cpu" or "cuda"); returns (out, lse). A head dim
     its kernels are not built for runs zero-padded to the next one they are (native_signature)."""
     _native.ensure_ffi_targets(OP, platform)
-    head_dim, padded = args.query.shape[-1], native_signature(platform, args)["head_dim"]
+    signature = native_signature(platform, args)  # the padded arrays' own where it pads
+    head_dim, padded = args.query.shape[-1], signature["head_dim"]
     if padded != head_dim:
         logger.debug("flash_attention on %s: head_dim %d runs zero-padded to %d", platform, head_dim, padded)
-        out, lse = flash_attention_native(
-            platform, _zero_padded(args, padded), block_q=block_q, block_k=block_k, num_threads=num_threads,
-            num_warps=num_warps, num_stages=num_stages, backward=backward)
-        return out[..., :head_dim], lse
+        args = _zero_padded(args, padded)
     operands = (
         (_HAS_BIAS if args.bias is not None else 0)
         | (_HAS_MASK if args.attention_mask is not None else 0)
@@ -405,9 +403,9 @@ def flash_attention_native(
         num_stages=num_stages,
         deterministic=args.deterministic,
         backward=backward,
-        signature=json.dumps(args.signature(), sort_keys=True),
+        signature=json.dumps(signature, sort_keys=True),
     )
-    return _attention_fn(static)(
+    out, lse = _attention_fn(static)(
         args.query,
         args.key,
         args.value,
@@ -420,3 +418,4 @@ def flash_attention_native(
         args.kv_segment_ids,
         args.dropout_seed,
     )
+    return (out[..., :head_dim], lse) if padded != head_dim else (out, lse)

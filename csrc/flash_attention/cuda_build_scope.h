@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,18 @@ constexpr bool HeadDimBuilt(int64_t d) {
   return (d == 64 && EJK_FA_HEAD_DIM_ENABLED(64)) || (d == 96 && EJK_FA_HEAD_DIM_ENABLED(96)) ||
          (d == 128 && EJK_FA_HEAD_DIM_ENABLED(128)) || (d == 192 && EJK_FA_HEAD_DIM_ENABLED(192)) ||
          (d == 256 && EJK_FA_HEAD_DIM_ENABLED(256));
+}
+
+// The head dim of the kernels that run a call at head dim d: the smallest built one of at
+// least d. d must be a multiple of 8 (rows of whole 16-byte units, as TMA and the 16-byte
+// copies read them); the kernels read columns past d as zeros, which add nothing to q.k and
+// give output columns of zeros, and store none of them. 0 where no built kernel takes d.
+constexpr int64_t KernelHeadDim(int64_t d) {
+  if (d <= 0 || d % 8 != 0) return 0;
+  for (const int64_t built : {64, 96, 128, 192, 256}) {
+    if (built >= d && HeadDimBuilt(built)) return built;
+  }
+  return 0;
 }
 
 inline constexpr bool kFloat16Built = EJK_FA_FEATURE_ENABLED(float16) != 0;

@@ -32,12 +32,13 @@ std::string UnsupportedReason(const std::string& dtype, int64_t head_dim) {
     return "the CUDA kernels take bfloat16 or float16 inputs, got " + dtype;
   }
   if (dtype == "float16" && !kFloat16Built) return "float16 is not built (EJKERNEL_CUDA_FEATURES)";
-  if (!HeadDimBuilt(head_dim)) {
+  if (KernelHeadDim(head_dim) == 0) {
     std::string built;
     for (int d : kHeadDims) {
       if (HeadDimBuilt(d)) built += (built.empty() ? "" : ", ") + std::to_string(d);
     }
-    return "head_dim " + std::to_string(head_dim) + " is not built (built: " + built + ")";
+    return "head_dim " + std::to_string(head_dim) + " is not built (the CUDA kernels take multiples of 8 up to " +
+           "the largest built head dim; built: " + built + ")";
   }
   return "";
 }
@@ -196,7 +197,7 @@ void BroadcastDims(const nlohmann::json& signature, const char* key, int64_t* ba
 hopper::ForwardCall ForwardCallOfSignature(const nlohmann::json& signature) {
   hopper::ForwardCall call;
   const std::string dtype_name = signature.value("dtype", std::string());
-  call.head_dim = signature.value("head_dim", int64_t{0});
+  call.head_dim = KernelHeadDim(signature.value("head_dim", int64_t{0}));
   call.seqlen_q = signature.value("seqlen_q", int64_t{0});
   call.seqlen_k = signature.value("seqlen_k", int64_t{0});
   call.varlen = HasFeature(signature, "cum_seqlens");
@@ -288,7 +289,7 @@ std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
     for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());
     return tiles;
   }
-  return MmaForwardTiles(head_dim, HasFeature(signature, "bias") || HasFeature(signature, "attention_mask") ||
+  return MmaForwardTiles(KernelHeadDim(head_dim), HasFeature(signature, "bias") || HasFeature(signature, "attention_mask") ||
                                        HasFeature(signature, "dropout") || HasFeature(signature, "segment_ids"));
 }
 

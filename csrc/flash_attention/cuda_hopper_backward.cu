@@ -71,13 +71,13 @@ constexpr int kPreprocessThreads = 256;
 constexpr int kConvertThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The head dim whose layout a built head dim runs in, its query rows per tile and keys per
-// block (cuda_hopper_backward.cuh).
+// The head dim whose layout a call's head dim runs in (that of its kernels' head dim), its
+// query rows per tile and keys per block (cuda_hopper_backward.cuh).
 int PaddedDimFor(int64_t head_dim) {
-  switch (head_dim) {
+  switch (KernelHeadDim(head_dim)) {
     case 96: return PaddedHeadDim<96>::kValue;
     case 192: return PaddedHeadDim<192>::kValue;
-    default: return static_cast<int>(head_dim);
+    default: return static_cast<int>(KernelHeadDim(head_dim));
   }
 }
 int BlockMFor(int64_t head_dim, bool bias_f32) { return BlockMOf(PaddedDimFor(head_dim), bias_f32); }
@@ -320,7 +320,7 @@ Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise
 
 Status LaunchMain(int64_t head_dim, const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                   cudaStream_t stream) {
-  switch (head_dim) {
+  switch (KernelHeadDim(head_dim)) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return LaunchHeadDim<64>(kp, f16, softcap, feature, batch, stream);
 #endif
@@ -351,8 +351,9 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   const ForwardParams& f = p.fwd;
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (f.q.dtype != DType::kBF16 && f.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + f.q.ToString());
-  if (!HeadDimBuilt(dims.head_dim)) {
-    return no("head_dim must be 64, 96, 128, 192 or 256 (as built), got " + std::to_string(dims.head_dim));
+  if (KernelHeadDim(dims.head_dim) == 0) {
+    return no("head_dim must be a multiple of 8 up to a built one of 64, 96, 128, 192, 256, got " +
+              std::to_string(dims.head_dim));
   }
   const hopper::ForwardCall call = hopper::ForwardCallOf(f, dims);
   if (f.bias.present() || f.mask.present()) {
@@ -392,7 +393,7 @@ namespace {
 
 // Bytes of the kernels' own scratch at the start of BackwardHopper's (the folded bias follows).
 size_t KernelScratchBytes(const Dims& dims, const hopper::ForwardCall& call, bool deterministic) {
-  if (!HeadDimBuilt(dims.head_dim)) return 0;
+  if (KernelHeadDim(dims.head_dim) == 0) return 0;
   const ScratchLayout s = ScratchFor(dims, call.segment_ids, deterministic, call.bias_f32);
   return AlignScratch(2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes);
 }
@@ -486,6 +487,7 @@ Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, Sha
   kp.num_m_blocks = static_cast<int>(sl.num_m_blocks);
   kp.section = 1;
   kp.padded_q = static_cast<int>(sl.padded_q);
+  kp.head_dim = static_cast<int>(d.head_dim);
   kp.cu_seqlens_q = d.varlen ? f.cu_seqlens_q.ptr<int>() : nullptr;
   kp.cu_seqlens_k = d.varlen ? f.cu_seqlens_k.ptr<int>() : nullptr;
   kp.num_sequences = d.varlen ? static_cast<int>(d.num_sequences) : 0;

@@ -97,7 +97,8 @@ using hopper::Elementwise;
 // columns past the head dim, S^T and dP^T sum over the real columns only, and nothing past
 // them is stored. At 96 dV and dK are m64n96 products; at 192 the second warpgroup's 128
 // columns hold 64 of padding (a split inside a 64-column swizzle block is not addressable
-// by the MN-major operands of dV, dK and dQ).
+// by the MN-major operands of dV, dK and dQ). A call at a head dim below the kernel's (a
+// multiple of 8: 80 on d96's kernel) runs the same way, its own columns past it zeros.
 template <int kHeadDim>
 struct PaddedHeadDim {
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256);
@@ -205,6 +206,7 @@ struct KernelParams {
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
   float* dq_accum;
   int seqlen_q, seqlen_k, num_q_heads, num_kv_heads, group, num_m_blocks, padded_q;
+  int head_dim;  // the call's: at most kHeadDim, whose columns past it are zeros, never stored
   // Packed sequences (device memory), or null: sequence n holds queries cu_seqlens_q[n] ..
   // cu_seqlens_q[n + 1] - 1 and keys likewise; seqlen_q/k are then the packed lengths.
   const int* cu_seqlens_q;
@@ -1150,18 +1152,18 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
   }
 
   // Epilogue: dK (scaled) and dV rows of this thread's keys, up to the head dim.
-  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key_row + 8 * r;
     if (key < sk) {
       const int64_t off = (static_cast<int64_t>(batch) * p.seqlen_k + k_begin + key) * row_stride +
-                          static_cast<int64_t>(kv_head) * kHeadDim + col0 + 2 * t4;
+                          static_cast<int64_t>(kv_head) * p.head_dim + col0 + 2 * t4;
       uint16_t* dk_row = static_cast<uint16_t*>(p.dk) + off;
       uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + off;
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
-        if (kHeadDim != L::kPaddedDim && col0 + 8 * j >= kHeadDim) break;
+        if (col0 + 8 * j >= p.head_dim) break;
         *reinterpret_cast<uint32_t*>(dk_row + 8 * j) =
             Pack<kF16>(dk[4 * j + 2 * r] * p.dk_scale, dk[4 * j + 2 * r + 1] * p.dk_scale);
         *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = Pack<kF16>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);

@@ -162,6 +162,7 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
   kp->div_head_ratio = FastDivisor(kp->head_ratio);
   kp->div_m_block_pairs = FastDivisor((kp->num_m_blocks + 1) / 2);
   SetSection(1, kp);
+  kp->head_dim = static_cast<int>(d.head_dim);
   kp->out_row_stride = d.num_q_heads * d.head_dim;
   kp->out_batch_stride = d.seqlen_q * d.num_q_heads * d.head_dim;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -459,8 +460,7 @@ Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, const Cu
     return HopperUnsupported(std::string("query dtype must be bf16 or f16, got ") + DTypeName(dtype));
   }
   if (!HeadDimBuilt(call.head_dim)) {
-    return HopperUnsupported("head_dim must be 64, 96, 128, 192 or 256 (as built), got " +
-                             std::to_string(call.head_dim));
+    return HopperUnsupported("head_dim must be a multiple of 8 up to a built one of 64, 96, 128, 192, 256");
   }
   if (std::string why = hopper::DenseUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
   if (std::string why = hopper::DropoutUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
@@ -486,11 +486,11 @@ namespace {
 
 // Bytes of the segment ranges at the start of ForwardHopper's scratch (the folded bias follows).
 size_t SegmentPartBytes(const Dims& dims, bool segment_ids) {
-  return segment_ids && HeadDimBuilt(dims.head_dim) ? hopper::SegmentScratchBytes(dims) : 0;
+  return segment_ids && KernelHeadDim(dims.head_dim) != 0 ? hopper::SegmentScratchBytes(dims) : 0;
 }
 
 Status LaunchHeadDim(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  switch (args.dims.head_dim) {
+  switch (KernelHeadDim(args.dims.head_dim)) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return hopper::Launch<64>(args, cfg, stream);
 #endif

@@ -33,7 +33,8 @@
 // block per 64 columns of the head dimension, as TMA writes them and wgmma reads them: Q and
 // K are K-major operands, V is the MN-major B operand of P V. At head dim 96 the second block
 // holds columns 64-95 and TMA's zeros: S = Q K^T reads 96 columns, P V writes 96 (m64n96), and
-// the stores stop at the head dim.
+// the stores stop at the head dim. A call at a head dim below the kernel's (a multiple of 8:
+// 80 on d96's kernel) reads and stores the same way, up to its own.
 #pragma once
 
 #include <cuda.h>
@@ -230,6 +231,9 @@ struct KernelParams {
   // of its rows.
   const int2* key_tile_bounds;
   int64_t out_row_stride, out_batch_stride;  // elements
+  // The call's head dim: at most kHeadDim, whose columns past it TMA reads as zeros; the
+  // tensor-map store clips them, the others stop at it.
+  int head_dim;
   float softcap_pre;   // scale / cap (soft cap only)
   float logit_scale;   // maps the (capped) score to the log2 domain
   // Key j is visible to query i iff i + offset - left <= j < i + offset + right + 1 (and j < Sk),
@@ -1365,11 +1369,13 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       } else if (row < tl.q_len) {
         uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
                         static_cast<int64_t>(tl.q_begin + row) * p.out_row_stride +
-                        static_cast<int64_t>(head) * kHeadDim + 2 * t4;
+                        static_cast<int64_t>(head) * p.head_dim + 2 * t4;
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
-          *reinterpret_cast<uint32_t*>(out + 8 * j) =
-              Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+          if (8 * j < p.head_dim) {
+            *reinterpret_cast<uint32_t*>(out + 8 * j) =
+                Pack<kF16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+          }
         }
       }
       // The hardware log2 (absolute error 2^-22 near 1, 2 ulp elsewhere) instead of log2f's
@@ -1386,10 +1392,11 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       const uint32_t tile_smem = smem + L::kWarpStoreOffset + (wg * 4 + warp) * L::kWarpStoreBytes;
       const int warp_row = tl.m0 + wg * 64 + warp * 16;  // first of the warp's rows
       uint16_t* out = static_cast<uint16_t*>(p.out) + batch * p.out_batch_stride +
-                      static_cast<int64_t>(head) * kHeadDim;
+                      static_cast<int64_t>(head) * p.head_dim;
 #pragma unroll
       for (int b = 0; b < kColBlocks; ++b) {
-        const int chunks = min(8, (kHeadDim - 64 * b) / 8);  // 16-byte chunks of a row within the head dim
+        const int chunks = min(8, (kHeadDim - 64 * b) / 8);  // 16-byte chunks of a row within kHeadDim
+        const int stored = min(chunks, (p.head_dim - 64 * b) / 8);  // and within the call's head dim
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = lane / 4 + 8 * r;
@@ -1409,7 +1416,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
                        : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
                        : "r"(tile_smem + row * 128 + ((chunk ^ (row % 8)) * 16))
                        : "memory");
-          if (warp_row + row < tl.q_len && chunk < chunks) {
+          if (warp_row + row < tl.q_len && chunk < stored) {
             *reinterpret_cast<uint4*>(out + static_cast<int64_t>(tl.q_begin + warp_row + row) * p.out_row_stride +
                                       b * 64 + chunk * 8) = make_uint4(v0, v1, v2, v3);
           }

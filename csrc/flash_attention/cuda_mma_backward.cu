@@ -125,7 +125,7 @@ Status Memset(void* ptr, size_t bytes, cudaStream_t stream) {
 }
 
 Status LaunchMain(int64_t d, const KernelArgs& a, bool bf16, bool general, bool deterministic, cudaStream_t stream) {
-  switch (d) {
+  switch (KernelHeadDim(d)) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return LaunchHeadDim<64>(a, bf16, general, deterministic, stream);
 #endif
@@ -155,7 +155,7 @@ constexpr int SharedBytes() {
 
 int BackwardMmaSharedBytes(int64_t head_dim) {
   using mma_backward::SharedBytes;
-  switch (head_dim) {
+  switch (KernelHeadDim(head_dim)) {
     case 64: return SharedBytes<64>();
     case 96: return SharedBytes<96>();
     case 128: return SharedBytes<128>();
@@ -184,9 +184,9 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
     return Status::Unimplemented(std::string("flash attention backward (mma): dtype ") + DTypeName(fp.q.dtype) +
                                  " not supported (bf16, f16 only)");
   }
-  if (!HeadDimBuilt(d.head_dim)) {
+  if (KernelHeadDim(d.head_dim) == 0) {
     return Status::Unimplemented("flash attention backward (mma): head_dim " + std::to_string(d.head_dim) +
-                                 " not built (64, 96, 128, 192, 256)");
+                                 " is not a multiple of 8 up to a built one (64, 96, 128, 192, 256)");
   }
   if (fp.dropout_prob > 0.0f && args.dropout_seed == nullptr) {
     return Status::InvalidArgument("flash attention backward: dropout needs a dropout_seed");

@@ -109,14 +109,15 @@ struct DqTile {
 // ---------------------------------------------------------------------------------------
 
 // rows x kD elements from global rows `row_stride` apart into padded shared rows; rows at or
-// past `valid` are zero-filled without reading.
+// past `valid` and columns at or past `cols` (the call's head dim) are zero-filled without
+// reading.
 template <typename T, int kD, int kThreads>
-__device__ __forceinline__ void LoadRows(T* smem, const T* gmem, int64_t row_stride, int rows, int valid,
+__device__ __forceinline__ void LoadRows(T* smem, const T* gmem, int64_t row_stride, int rows, int valid, int cols,
                                          const T* fallback) {
   constexpr int kChunks = kD / 8;
   for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
     const int r = c / kChunks, x = c % kChunks;
-    const bool ok = r < valid;
+    const bool ok = r < valid && x * 8 < cols;
     cuda::CpAsync16(smem + r * (kD + 8) + x * 8, ok ? gmem + r * row_stride + x * 8 : fallback, ok);
   }
 }
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kg = warp % C::kKeyGroups, half = warp / C::kKeyGroups;
-  const int32_t D = kD, Sq = f.seqlen_q, Sk = f.seqlen_k, Hq = f.num_q_heads, Hkv = a.num_kv_heads;
+  const int32_t D = f.head_dim, Sq = f.seqlen_q, Sk = f.seqlen_k, Hq = f.num_q_heads, Hkv = a.num_kv_heads;
   const int32_t group = f.group;
   const uint32_t seed = (kGeneral && f.dropout) ? __ldg(f.dropout_seed) : 0u;
 
@@ -321,9 +322,9 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
   for (int32_t pair = 0; pair < a.pairs_b * a.pairs_h; ++pair) {
     const int32_t b = b_first + pair / a.pairs_h, kvh = kvh_first + pair % a.pairs_h;
     const int64_t kv_off = ((static_cast<int64_t>(b) * Sk + s.k_begin + j0) * Hkv + kvh) * D;
-    LoadRows<T, kD, C::kThreads>(s_k, static_cast<const T*>(a.k) + kv_off, kv_row_stride, C::kBlockK, kv_valid,
+    LoadRows<T, kD, C::kThreads>(s_k, static_cast<const T*>(a.k) + kv_off, kv_row_stride, C::kBlockK, kv_valid, D,
                                  static_cast<const T*>(a.k));
-    LoadRows<T, kD, C::kThreads>(s_v, static_cast<const T*>(a.v) + kv_off, kv_row_stride, C::kBlockK, kv_valid,
+    LoadRows<T, kD, C::kThreads>(s_v, static_cast<const T*>(a.v) + kv_off, kv_row_stride, C::kBlockK, kv_valid, D,
                                  static_cast<const T*>(a.v));
 
     float dk[kNd][4], dv[kNd][4];
@@ -340,10 +341,10 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
       const int32_t valid = min(C::kBlockQ, s.q_len - i0);
       const int64_t q_off = ((static_cast<int64_t>(b) * Sq + s.q_begin + i0) * Hq + h) * D;
       LoadRows<T, kD, C::kThreads>(reinterpret_cast<T*>(smem + C::kOffQ + stage * C::kStageBytes),
-                                   static_cast<const T*>(a.q) + q_off, q_row_stride, C::kBlockQ, valid,
+                                   static_cast<const T*>(a.q) + q_off, q_row_stride, C::kBlockQ, valid, D,
                                    static_cast<const T*>(a.q));
       LoadRows<T, kD, C::kThreads>(reinterpret_cast<T*>(smem + C::kOffQ + stage * C::kStageBytes + C::kQBytes),
-                                   static_cast<const T*>(a.dout) + q_off, q_row_stride, C::kBlockQ, valid,
+                                   static_cast<const T*>(a.dout) + q_off, q_row_stride, C::kBlockQ, valid, D,
                                    static_cast<const T*>(a.dout));
       cuda::CpAsyncCommit();
       if (tid < C::kBlockQ) {
@@ -520,8 +521,10 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
               float* row = a.dq_accum + ((static_cast<int64_t>(b) * Sq + s.q_begin + qi) * Hq + h) * D + col0 + 2 * t4;
 #pragma unroll
               for (int n = 0; n < kNc; ++n) {
-                atomicAdd(row + n * 8, acc[n][2 * e2]);
-                atomicAdd(row + n * 8 + 1, acc[n][2 * e2 + 1]);
+                if (col0 + n * 8 < D) {
+                  atomicAdd(row + n * 8, acc[n][2 * e2]);
+                  atomicAdd(row + n * 8 + 1, acc[n][2 * e2 + 1]);
+                }
               }
             }
           }
@@ -533,7 +536,7 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
         __syncthreads();
         if (tid < min(C::kBlockQ, s.q_len - i0)) {
           float* dst = a.dq_accum + ((static_cast<int64_t>(b) * Sq + s.q_begin + i0 + tid) * Hq + h) * D;
-          BulkReduceAdd(dst, reinterpret_cast<float*>(stage_base) + tid * C::kDqStride, kD * 4);
+          BulkReduceAdd(dst, reinterpret_cast<float*>(stage_base) + tid * C::kDqStride, D * 4);
         }
 #endif
       }
@@ -549,6 +552,7 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
                             2 * t4;
 #pragma unroll
         for (int n = 0; n < kNd; ++n) {
+          if (half * C::kDOut + n * 8 >= D) break;
           *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dk) + off + n * 8) =
               cuda::PackFloat2<T>(dk[n][2 * e2] * f.scale, dk[n][2 * e2 + 1] * f.scale);
           *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dv) + off + n * 8) =
@@ -580,7 +584,7 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
   const int32_t i0 = tile * C::kBlockQ;
   if (i0 >= s.q_len) return;
   const int32_t q_valid = min(C::kBlockQ, s.q_len - i0);
-  const int32_t Hq = f.num_q_heads, Sq = f.seqlen_q, Sk = f.seqlen_k, Hkv = a.num_kv_heads, D = kD;
+  const int32_t Hq = f.num_q_heads, Sq = f.seqlen_q, Sk = f.seqlen_k, Hkv = a.num_kv_heads, D = f.head_dim;
   const int32_t b = blockIdx.y / Hq, h = blockIdx.y % Hq, kvh = h / f.group;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const uint32_t seed = (kGeneral && f.dropout) ? __ldg(f.dropout_seed) : 0u;
@@ -594,19 +598,19 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
 
   const int64_t q_row_stride = static_cast<int64_t>(Hq) * D, kv_row_stride = static_cast<int64_t>(Hkv) * D;
   const int64_t q_off = ((static_cast<int64_t>(b) * Sq + s.q_begin + i0) * Hq + h) * D;
-  LoadRows<T, kD, C::kThreads>(s_q, static_cast<const T*>(a.q) + q_off, q_row_stride, C::kBlockQ, q_valid,
+  LoadRows<T, kD, C::kThreads>(s_q, static_cast<const T*>(a.q) + q_off, q_row_stride, C::kBlockQ, q_valid, D,
                                static_cast<const T*>(a.q));
-  LoadRows<T, kD, C::kThreads>(s_do, static_cast<const T*>(a.dout) + q_off, q_row_stride, C::kBlockQ, q_valid,
+  LoadRows<T, kD, C::kThreads>(s_do, static_cast<const T*>(a.dout) + q_off, q_row_stride, C::kBlockQ, q_valid, D,
                                static_cast<const T*>(a.dout));
   auto issue = [&](int32_t it, int stage) {
     const int32_t j0 = (kt_lo + it) * C::kBlockK;
     const int32_t valid = min(C::kBlockK, s.k_len - j0);
     const int64_t kv_off = ((static_cast<int64_t>(b) * Sk + s.k_begin + j0) * Hkv + kvh) * D;
     LoadRows<T, kD, C::kThreads>(reinterpret_cast<T*>(smem + C::kOffK + stage * C::kKBytes),
-                                 static_cast<const T*>(a.k) + kv_off, kv_row_stride, C::kBlockK, valid,
+                                 static_cast<const T*>(a.k) + kv_off, kv_row_stride, C::kBlockK, valid, D,
                                  static_cast<const T*>(a.k));
     LoadRows<T, kD, C::kThreads>(reinterpret_cast<T*>(smem + C::kOffV + stage * C::kKBytes),
-                                 static_cast<const T*>(a.v) + kv_off, kv_row_stride, C::kBlockK, valid,
+                                 static_cast<const T*>(a.v) + kv_off, kv_row_stride, C::kBlockK, valid, D,
                                  static_cast<const T*>(a.v));
     cuda::CpAsyncCommit();
   };
@@ -678,6 +682,7 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
       T* row = static_cast<T*>(a.dq) + ((static_cast<int64_t>(b) * Sq + s.q_begin + i0 + qi) * Hq + h) * D + 2 * t4;
 #pragma unroll
       for (int n = 0; n < kNd; ++n) {
+        if (n * 8 >= D) break;
         *reinterpret_cast<uint32_t*>(row + n * 8) =
             cuda::PackFloat2<T>(acc[n][2 * e2] * f.scale, acc[n][2 * e2 + 1] * f.scale);
       }

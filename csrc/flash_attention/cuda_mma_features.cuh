@@ -55,6 +55,9 @@ struct FeatureArgs {
   int32_t seqlen_q = 0, seqlen_k = 0;  // per batch row; packed totals with varlen
   int32_t num_q_heads = 1;
   int32_t group = 1;  // num_q_heads / num_kv_heads
+  // The call's head dim: at most the kernel's, whose columns past it load as zeros and are
+  // never stored.
+  int32_t head_dim = 0;
   // Varlen: cu_q/cu_k non-null, num_sequences entries + 1 each, device memory (clamped here).
   const int32_t* cu_q = nullptr;
   const int32_t* cu_k = nullptr;
@@ -87,6 +90,7 @@ inline FeatureArgs MakeFeatureArgs(const ForwardParams& p, const Dims& d, const 
   f.seqlen_k = static_cast<int32_t>(d.seqlen_k);
   f.num_q_heads = static_cast<int32_t>(d.num_q_heads);
   f.group = static_cast<int32_t>(d.num_q_heads / d.num_kv_heads);
+  f.head_dim = static_cast<int32_t>(d.head_dim);
   if (d.varlen) {
     f.cu_q = p.cu_seqlens_q.ptr<int32_t>();
     f.cu_k = p.cu_seqlens_k.ptr<int32_t>();

@@ -22,13 +22,10 @@ Status MmaSupports(const ForwardParams& p, const Dims& dims) {
                                  DTypeName(p.q.dtype) + " query " + p.q.ToString());
   }
   const int64_t d = dims.head_dim;
-  if (d != 64 && d != 96 && d != 128 && d != 192 && d != 256) {
-    return Status::Unimplemented(prefix + "head_dim must be one of 64, 96, 128, 192, 256, got " + std::to_string(d) +
+  if (KernelHeadDim(d) == 0) {
+    return Status::Unimplemented(prefix + "head_dim must be a multiple of 8 up to a head dim built into this " +
+                                 "build (64, 96, 128, 192, 256; EJKERNEL_CUDA_HEAD_DIMS), got " + std::to_string(d) +
                                  " (query " + p.q.ToString() + ")");
-  }
-  if (!HeadDimBuilt(d)) {
-    return Status::Unimplemented(prefix + "head_dim " + std::to_string(d) +
-                                 " is not compiled into this build (EJKERNEL_CUDA_HEAD_DIMS)");
   }
   if (!Aligned16(p.q.data) || !Aligned16(p.k.data) || !Aligned16(p.v.data) || !Aligned16(p.out.data)) {
     return Status::Unimplemented(prefix + "query, key, value and out must be 16-byte aligned");
@@ -44,8 +41,9 @@ Status ForwardMma(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream
   const ForwardParams& p = args.p;
   const bool per_element =
       p.bias.present() || p.mask.present() || p.dropout_prob > 0.0f || p.q_segment_ids.present();
-  const CudaConfig tile = ChooseMmaForwardTile(args.dims.head_dim, per_element, cfg);
-  switch (args.dims.head_dim) {
+  const int64_t kernel_head_dim = KernelHeadDim(args.dims.head_dim);
+  const CudaConfig tile = ChooseMmaForwardTile(kernel_head_dim, per_element, cfg);
+  switch (kernel_head_dim) {
 #if EJK_FA_HEAD_DIM_ENABLED(64)
     case 64: return ForwardMmaHeadDim64(args, tile, stream);
 #endif

@@ -94,12 +94,13 @@ __device__ __forceinline__ float FastExp2(float x) {
 }
 
 // Rows [row0, row0 + kRows) of one head of a [*, rows, heads, D] tensor into padded shared
-// memory; rows at or past `limit` are zero-filled. Each thread copies one 16-byte column chunk
+// memory; rows at or past `limit` and columns at or past `cols` (D <= kHeadDim) are
+// zero-filled. Each thread copies one 16-byte column chunk
 // of every kRowStep-th row (a row spans a power of two of chunk slots, the ones past the row
 // idle), so its addresses advance by one stride: few registers, nothing for ptxas to hoist.
 template <typename Cfg, int kRows, typename Element>
 __device__ __forceinline__ void LoadRows(unsigned char* dst, const Element* src, int32_t row0, int32_t limit,
-                                         int64_t row_stride, int tid) {
+                                         int64_t row_stride, int32_t cols, int tid) {
   constexpr int kSlots = Cfg::kChunksPerRow <= 8 ? 8 : (Cfg::kChunksPerRow <= 16 ? 16 : 32);
   constexpr int kRowStep = Cfg::kThreads / kSlots;
   static_assert(Cfg::kThreads % kSlots == 0 && kRows % kRowStep == 0, "bad copy layout");
@@ -108,9 +109,10 @@ __device__ __forceinline__ void LoadRows(unsigned char* dst, const Element* src,
   const Element* from = src + static_cast<int64_t>(row0 + r0) * row_stride + ch * 8;
   unsigned char* to = dst + r0 * Cfg::kRowBytes + ch * 16;
   const int64_t step = kRowStep * row_stride;
+  const bool in_row = ch * 8 < cols;
 #pragma unroll
   for (int k = 0; k < kRows / kRowStep; ++k) {
-    const bool valid = row0 + r0 + k * kRowStep < limit;
+    const bool valid = in_row && row0 + r0 + k * kRowStep < limit;
     cuda::CpAsync16(to + k * kRowStep * Cfg::kRowBytes, valid ? from : src, valid);
     from += step;
   }
@@ -133,9 +135,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
   const int32_t h = bh % f.num_q_heads, b = bh / f.num_q_heads;
   const int32_t num_kv_heads = f.num_q_heads / f.group, kv_head = h / f.group;
   const int32_t Sq = f.seqlen_q, Sk = f.seqlen_k, i0 = tile * kBQ;
-  const int64_t q_stride = static_cast<int64_t>(f.num_q_heads) * kD, kv_stride = static_cast<int64_t>(num_kv_heads) * kD;
-  const Element* q_head = static_cast<const Element*>(a.q) + (static_cast<int64_t>(b) * Sq * f.num_q_heads + h) * kD;
-  const int64_t kv_offset = (static_cast<int64_t>(b) * Sk * num_kv_heads + kv_head) * kD;
+  const int32_t D = f.head_dim;  // <= kD
+  const int64_t q_stride = static_cast<int64_t>(f.num_q_heads) * D, kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+  const Element* q_head = static_cast<const Element*>(a.q) + (static_cast<int64_t>(b) * Sq * f.num_q_heads + h) * D;
+  const int64_t kv_offset = (static_cast<int64_t>(b) * Sk * num_kv_heads + kv_head) * D;
   const Element* k_head = static_cast<const Element*>(a.k) + kv_offset;
   const Element* v_head = static_cast<const Element*>(a.v) + kv_offset;
 
@@ -143,7 +146,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
   const auto k_smem = [&](int stage) { return smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes; };
   const auto v_smem = [&](int stage) { return smem + Cfg::kQBytes + (stage * 2 + 1) * Cfg::kTileBytes; };
 
-  LoadRows<Cfg, kBQ>(q_smem, q_head, i0, Sq, q_stride, tid);
+  LoadRows<Cfg, kBQ>(q_smem, q_head, i0, Sq, q_stride, D, tid);
   cuda::CpAsyncCommit();
 
   // Per-row state: visible keys, segment, dropout key, softmax statistics (log2 units).
@@ -229,9 +232,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
   const auto load_kv = [&](int32_t t) {
     if (t < num_tiles) {
       const int32_t j0 = key_begin + t * kBK;
-      LoadRows<Cfg, kBK>(k_smem(t % kStages), k_head, j0, Sk, kv_stride, tid);
+      LoadRows<Cfg, kBK>(k_smem(t % kStages), k_head, j0, Sk, kv_stride, D, tid);
       cuda::CpAsyncCommit();
-      LoadRows<Cfg, kBK>(v_smem(t % kStages), v_head, j0, Sk, kv_stride, tid);
+      LoadRows<Cfg, kBK>(v_smem(t % kStages), v_head, j0, Sk, kv_stride, D, tid);
       cuda::CpAsyncCommit();
     } else {
       cuda::CpAsyncCommit();
@@ -432,13 +435,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
     }
   }
   __syncwarp();
-  Element* out_head = static_cast<Element*>(a.out) + (static_cast<int64_t>(b) * Sq * f.num_q_heads + h) * kD;
+  Element* out_head = static_cast<Element*>(a.out) + (static_cast<int64_t>(b) * Sq * f.num_q_heads + h) * D;
   constexpr int kWarpChunks = 16 * kMT * Cfg::kChunksPerRow;
 #pragma unroll
   for (int c = lane; c < kWarpChunks; c += 32) {
     const int r = c / Cfg::kChunksPerRow, ch = c % Cfg::kChunksPerRow;
     const int32_t i = i0 + warp_row0 + r;
-    if (i < Sq) {
+    if (i < Sq && ch * 8 < D) {
       *reinterpret_cast<uint4*>(out_head + static_cast<int64_t>(i) * q_stride + ch * 8) =
           *reinterpret_cast<const uint4*>(q_smem + (warp_row0 + r) * kRowBytes + ch * 16);
     }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "flash_attention/cuda_build_scope.h"
+
 namespace ejk::flash_attention {
 
 bool operator==(const CudaConfig& a, const CudaConfig& b) {
@@ -46,7 +48,7 @@ namespace hopper {
 
 ForwardCall ForwardCallOf(const ForwardParams& p, const Dims& d) {
   ForwardCall c;
-  c.head_dim = d.head_dim;
+  c.head_dim = KernelHeadDim(d.head_dim);
   c.seqlen_q = d.seqlen_q;
   c.seqlen_k = d.seqlen_k;
   c.varlen = d.varlen;

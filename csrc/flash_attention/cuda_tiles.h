@@ -114,7 +114,8 @@ inline constexpr int64_t kShortSeqlen = 1024;
 // A call as the Hopper forward's tile choice and masks see it: from its params (the dispatch),
 // or from the registry signature (the heuristic and the autotuning candidates).
 struct ForwardCall {
-  int64_t head_dim = 0, seqlen_q = 0, seqlen_k = 0;  // packed lengths for packed sequences
+  int64_t head_dim = 0;  // the kernels' (KernelHeadDim), 0 where none is built
+  int64_t seqlen_q = 0, seqlen_k = 0;  // packed lengths for packed sequences
   bool varlen = false;
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // < 0: unbounded side

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "flash_attention/cuda_build_scope.h"
 #include "flash_attention/cuda_tiles.h"
 #include "flash_attention/params.h"
 #include "runtime/tensor.h"
@@ -421,6 +423,33 @@ TEST(HopperForwardCall, FromParams) {
   p.bias.dtype = DType::kF32;
   EXPECT_TRUE(hopper::ForwardCallOf(p, d).bias_f32);
   EXPECT_FALSE(hopper::ForwardCallOf(p, d).bias_converts);
+}
+
+TEST(KernelHeadDim, MultiplesOf8RunOnTheNextBuiltHeadDim) {
+  EXPECT_EQ(KernelHeadDim(8), 64);
+  EXPECT_EQ(KernelHeadDim(40), 64);
+  EXPECT_EQ(KernelHeadDim(64), 64);
+  EXPECT_EQ(KernelHeadDim(72), 96);
+  EXPECT_EQ(KernelHeadDim(80), 96);
+  EXPECT_EQ(KernelHeadDim(96), 96);
+  EXPECT_EQ(KernelHeadDim(104), 128);
+  EXPECT_EQ(KernelHeadDim(136), 192);
+  EXPECT_EQ(KernelHeadDim(200), 256);
+  EXPECT_EQ(KernelHeadDim(256), 256);
+  // Rows of the call's head dim must be whole 16-byte units; none is built past 256.
+  for (const int64_t d : {0, -8, 4, 36, 100, 250, 264, 512}) EXPECT_EQ(KernelHeadDim(d), 0) << d;
+}
+
+TEST(HopperForwardCall, TakesTheKernelsHeadDim) {
+  ForwardParams p;
+  Dims d{};
+  d.seqlen_q = d.seqlen_k = 256;
+  for (const auto& [call_dim, kernel_dim] : {std::pair<int64_t, int64_t>{80, 96}, {40, 64}, {160, 192}, {36, 0}}) {
+    d.head_dim = call_dim;
+    const ForwardCall c = hopper::ForwardCallOf(p, d);
+    EXPECT_EQ(c.head_dim, kernel_dim) << call_dim;
+    EXPECT_EQ(ForwardTiles(c).empty(), kernel_dim == 0) << call_dim;
+  }
 }
 
 TEST(HopperForwardCall, WindowSidesAndBands) {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
@@ -172,14 +173,26 @@ CASES = [
          kv_heads=2, head_dim=128, bias="BH", bias_dtype="float32", dropout=0.3, deterministic=True),
     Case("tiles_dropout_bias_f32_window_bf16_d192", dtype="bfloat16", batch=1, seq_q=259, seq_k=200, q_heads=2,
          kv_heads=1, head_dim=192, window=(60, 4), bias="11", bias_dtype="float32", dropout=0.15),
-    # Head dims no CUDA kernel is built for run zero-padded to the next built one (80 -> 96,
-    # 40 -> 64, 160 -> 192), with every operand and gradient.
-    Case("tiles_d80_padded_bf16_causal_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,
+    # Head dims between built ones run on the next built head dim's kernels (80 -> 96, 40 -> 64,
+    # 160 -> 192), which read the columns past the call's as zeros and store none of them.
+    Case("tiles_d80_bf16_causal_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,
          head_dim=80, causal=True, sinks=True),
-    Case("tiles_d40_padded_f16_bias_dropout", dtype="float16", batch=2, seq_q=200, seq_k=264, q_heads=2,
+    Case("tiles_d40_f16_bias_dropout", dtype="float16", batch=2, seq_q=200, seq_k=264, q_heads=2,
          kv_heads=1, head_dim=40, bias="1H", dropout=0.1),
-    Case("tiles_d160_padded_bf16_window_deterministic", dtype="bfloat16", batch=1, seq_q=259, seq_k=259,
+    Case("tiles_d160_bf16_window_deterministic", dtype="bfloat16", batch=1, seq_q=259, seq_k=259,
          q_heads=2, kv_heads=2, head_dim=160, window=(70, 9), deterministic=True),
+    # The same on the mma.sync kernels: dropout with a bias and a soft cap (72 -> 96), a float32
+    # bias at 232 (-> 256, which neither Hopper direction takes), a bias with packed sequences
+    # (112 -> 128).
+    Case("tiles_d72_bf16_dropout_bias_soft_cap", dtype="bfloat16", batch=2, seq_q=150, seq_k=190, q_heads=4,
+         kv_heads=2, head_dim=72, bias="B1", soft_cap=8.0, dropout=0.15),
+    Case("tiles_d232_f16_bias_f32_deterministic", dtype="float16", batch=1, seq_q=140, seq_k=203, q_heads=2,
+         kv_heads=1, head_dim=232, causal=True, bias="1H", bias_dtype="float32", deterministic=True),
+    Case("tiles_d112_bf16_varlen_bias", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=2, kv_heads=1, head_dim=112,
+         causal=True, bias="11"),
+    # A head dim that is not a multiple of 8 is zero-padded to one (36 -> 40) before the call.
+    Case("tiles_d36_padded_bf16_soft_cap", dtype="bfloat16", batch=2, seq_q=131, seq_k=200, q_heads=2, kv_heads=1,
+         head_dim=36, causal=True, soft_cap=5.0),
     # The Hopper forward visits key tiles last to first, so with the first keys the largest a
     # row's running max keeps rising: by more than the d256 kernel's slack (its O rescaled)
     # and by less (the stale max kept).
@@ -636,8 +649,8 @@ def random_varlen(rng: np.random.Generator, max_len: int) -> tuple:
 def random_case(rng: np.random.Generator, name: str, max_len: int, max_scores: float) -> Case:
     """Features drawn independently (each with its own odds), shapes from a few keys up to
     max_len, with at most max_scores score elements (batch x heads x queries x keys)."""
-    # 32 and 80: head dims the CUDA kernels run zero-padded (to 64 and 96).
-    head_dim = int(rng.choice([32, 64, 64, 80, 96, 128, 128, 128, 192, 256, 256]))
+    # 32, 80, 120, 136 and 200 run on the next built head dim's kernels; 36 is zero-padded to 40 first.
+    head_dim = int(rng.choice([32, 36, 64, 64, 80, 96, 120, 128, 128, 136, 192, 200, 256]))
     kv_heads = int(rng.integers(1, 3))
     q_heads = kv_heads * int(rng.choice([1, 2, 4]))
 
@@ -776,13 +789,17 @@ def test_cuda_tiles_match_reference(impl, case: Case, rng):
         check_against_reference(tiled, case, rng)
 
 
-def _hopper_gpu() -> bool:
-    import ejkernel
+def _cuda_gpu() -> bool:
     from ejkernel.kernels.flash_attention import native_features
 
+    return jax.default_backend() == "gpu" and bool(native_features("cuda"))
+
+
+def _hopper_gpu() -> bool:
+    import ejkernel
+
     return (
-        jax.default_backend() == "gpu"
-        and bool(native_features("cuda"))
+        _cuda_gpu()
         and ejkernel.build_info().get("hopper_kernels", False)
         and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
     )
@@ -828,12 +845,33 @@ def test_cuda_configs_are_the_hopper_tiles(rng):
     assert heuristic_config("cuda", args(512, 128, bias=bias_f32)) == tile(128, 64, 12, 2)
     assert heuristic_config("cuda", args(512, 64, bias=bias_f32)) == narrow
     assert heuristic_config("cuda", args(512, 256, bias=bias_f32)) == tile(128, 64, 8, 2)
+    # Head dims between built ones take the tiles of the head dim whose kernels run them.
+    assert config_candidates("cuda", args(4096, 80)) == [wide, narrow]
+    assert heuristic_config("cuda", args(4096, 200)) == tile(128, 80, 12, 2)
 
     q = jnp.asarray(rng.standard_normal((2, 1500, 4, 128)), jnp.bfloat16)
     tuner = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
     with policy_override(autotune=True):
         inv, cfg = tuner.prepare(FlashAttention(), (q, q, q), {})
     assert inv.platform.value == "cuda" and cfg in (wide, narrow)
+
+
+@pytest.mark.skipif(not _cuda_gpu(), reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("head_dim, padded", [(40, None), (80, None), (136, None), (36, 40), (100, 104)])
+def test_cuda_head_dims_between_built_ones(head_dim, padded, rng, caplog):
+    """A multiple of 8 runs on the next built head dim's kernels as it is, without copies; any
+    other head dim is zero-padded to the next multiple of 8 first (logged at DEBUG)."""
+    from ejkernel.modules import flash_attention
+
+    x = jnp.asarray(rng.standard_normal((1, 70, 2, head_dim)), jnp.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="ejkernel"):
+        out = flash_attention(x, x, x, causal=True, platform="cuda")
+    want = flash_attention(*(x.astype(jnp.float32),) * 3, causal=True, platform="xla")
+    assert out.shape == x.shape
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+    padding = [r.getMessage() for r in caplog.records if "runs zero-padded" in r.getMessage()]
+    want_padding = f"flash_attention on cuda: head_dim {head_dim} runs zero-padded to {padded}"
+    assert padding == ([] if padded is None else [want_padding])
 
 
 @pytest.mark.parametrize(

@@ -372,7 +372,9 @@ def flash_attention_native(
     backward: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the native kernel of `platform` ("cpu" or "cuda"); returns (out, lse). A head dim
-    its kernels are not built for runs zero-padded to the next one they are (native_signature)."""
+    the platform's C++ entry does not take (on CUDA one that is not a multiple of 8: the kernels
+    run the others up to 256 as they are) runs zero-padded to the next one it does
+    (native_signature)."""
     _native.ensure_ffi_targets(OP, platform)
     signature = native_signature(platform, args)  # the padded arrays' own where it pads
     head_dim, padded = args.query.shape[-1], signature["head_dim"]

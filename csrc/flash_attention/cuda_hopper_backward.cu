@@ -74,13 +74,14 @@ constexpr float kLog2e = 1.4426950408889634f;
 // The head dim whose layout a call's head dim runs in (that of its kernels' head dim), its
 // query rows per tile and keys per block (cuda_hopper_backward.cuh).
 int PaddedDimFor(int64_t head_dim) {
-  switch (KernelHeadDim(head_dim)) {
+  const int kernel_head_dim = static_cast<int>(KernelHeadDim(head_dim));
+  switch (kernel_head_dim) {
     case 96: return PaddedHeadDim<96>::kValue;
     case 192: return PaddedHeadDim<192>::kValue;
-    default: return static_cast<int>(KernelHeadDim(head_dim));
+    default: return kernel_head_dim;
   }
 }
-int BlockMFor(int64_t head_dim, bool bias_f32) { return BlockMOf(PaddedDimFor(head_dim), bias_f32); }
+int BlockMFor(int64_t head_dim, bool narrow) { return BlockMOf(PaddedDimFor(head_dim), narrow); }
 int BlockNFor(int64_t head_dim) {
   const int padded = PaddedDimFor(head_dim);
   return padded == 64 ? Layout<64>::kBlockN : padded == 128 ? Layout<128>::kBlockN : Layout<256>::kBlockN;
@@ -93,11 +94,15 @@ struct ScratchLayout {
   size_t turn_bytes;                      // deterministic mode only, else 0
 };
 
-// bias_f32: the kernels read a float32 bias (hopper::ForwardCall::bias_f32; folded into one
-// where its dtype was another).
-ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic, bool bias_f32) {
+// Whether the call's kernel takes narrow query tiles (NarrowRows of its features): it reads a
+// float32 bias (folded into one where its dtype was another), or a mask as it is with dropout.
+bool NarrowRowsFor(const hopper::ForwardCall& c) {
+  return c.bias_f32 || (c.mask && !c.bias && c.folded_batch == 0 && c.dropout);
+}
+
+ScratchLayout ScratchFor(const Dims& d, bool segments, bool deterministic, bool narrow) {
   ScratchLayout s;
-  const int block_m = BlockMFor(d.head_dim, bias_f32);
+  const int block_m = BlockMFor(d.head_dim, narrow);
   s.num_m_blocks = (d.seqlen_q + block_m - 1) / block_m;
   s.padded_q = s.num_m_blocks * block_m;
   s.rows = d.batch * d.num_q_heads * s.padded_q;
@@ -379,7 +384,8 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
   if (dims.varlen && dims.num_sequences >= (int64_t{1} << 30)) return no("too many packed sequences");
-  if (hopper_backward::ScratchFor(dims, call.segment_ids, p.deterministic, call.bias_f32).rows >= (int64_t{1} << 31)) {
+  if (hopper_backward::ScratchFor(dims, call.segment_ids, p.deterministic, hopper_backward::NarrowRowsFor(call)).rows >=
+      (int64_t{1} << 31)) {
     return no("batch * num_q_heads * seqlen_q must be below 2^31");
   }
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv, &f.bias, &f.mask}) {
@@ -394,7 +400,7 @@ namespace {
 // Bytes of the kernels' own scratch at the start of BackwardHopper's (the folded bias follows).
 size_t KernelScratchBytes(const Dims& dims, const hopper::ForwardCall& call, bool deterministic) {
   if (KernelHeadDim(dims.head_dim) == 0) return 0;
-  const ScratchLayout s = ScratchFor(dims, call.segment_ids, deterministic, call.bias_f32);
+  const ScratchLayout s = ScratchFor(dims, call.segment_ids, deterministic, NarrowRowsFor(call));
   return AlignScratch(2 * s.stat_bytes + s.dq_bytes + s.q_id_bytes + s.tile_segment_bytes + s.turn_bytes);
 }
 
@@ -407,7 +413,8 @@ struct SharedGrads {
   bool add = false;
 };
 
-Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, SharedGrads shared = {});
+// narrow: NarrowRowsFor of the call (before its fold).
+Status Run(const CudaBackwardArgs& args, bool narrow, void* scratch, cudaStream_t stream, SharedGrads shared = {});
 
 }  // namespace
 }  // namespace hopper_backward
@@ -421,7 +428,8 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
   EJK_RETURN_IF_ERROR(HopperBackwardSupports(args.p, args.dims, CurrentCudaDevice()));
   const hopper::ForwardCall call = hopper::ForwardCallOf(f, args.dims);
   const bool rows_sum_dbias = hopper_backward::DeterministicRowsSumDbias(args.p, args.dims);
-  if (call.folded_batch == 0 && !rows_sum_dbias) return hopper_backward::Run(args, scratch, stream);
+  const bool narrow = hopper_backward::NarrowRowsFor(call);
+  if (call.folded_batch == 0 && !rows_sum_dbias) return hopper_backward::Run(args, narrow, scratch, stream);
   // The forward's folded bias, again (per batch row where the forward's was): the kernels read
   // it, and dbias keeps the bias's shape (zero where the mask hides a key: P is 0 there).
   char* at = static_cast<char*>(scratch) +
@@ -447,7 +455,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
       EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(one.p.fwd, call, at, stream, &one.p.fwd.bias));
       one.p.fwd.mask = TensorView{};
     }
-    EJK_RETURN_IF_ERROR(hopper_backward::Run(one, scratch, stream, shared));
+    EJK_RETURN_IF_ERROR(hopper_backward::Run(one, narrow, scratch, stream, shared));
   }
   return Status::Ok();
 }
@@ -455,14 +463,14 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
 namespace hopper_backward {
 namespace {
 
-Status Run(const CudaBackwardArgs& args, void* scratch, cudaStream_t stream, SharedGrads shared) {
+Status Run(const CudaBackwardArgs& args, bool narrow, void* scratch, cudaStream_t stream, SharedGrads shared) {
   const BackwardParams& p = args.p;
   const ForwardParams& f = p.fwd;
   const Dims& d = args.dims;
   // A bias of another dtype than the inputs' arrives here as float32 (folded where it was not).
   const bool bias_f32 = f.bias.present() && f.bias.dtype == DType::kF32;
-  const ScratchLayout sl = ScratchFor(d, HasSegments(p), p.deterministic, bias_f32);
-  const int block_m = BlockMFor(d.head_dim, bias_f32);
+  const ScratchLayout sl = ScratchFor(d, HasSegments(p), p.deterministic, narrow);
+  const int block_m = BlockMFor(d.head_dim, narrow);
   const bool f16 = f.q.dtype == DType::kF16;
   char* base = static_cast<char*>(scratch);
 

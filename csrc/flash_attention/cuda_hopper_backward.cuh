@@ -105,8 +105,13 @@ struct PaddedHeadDim {
   static constexpr int kValue = kHeadDim == 96 ? 128 : kHeadDim == 192 ? 256 : kHeadDim;
 };
 
-// Query rows per tile, by padded head dim and whether a float32 bias tile is staged.
-constexpr int BlockMOf(int padded_dim, bool bias_f32) { return padded_dim == 64 && !bias_f32 ? 128 : 64; }
+// Query rows per tile, by padded head dim and whether the kernel takes narrow tiles: 64 rows
+// instead of 128 at d64 where the consumers' registers hold more than the products (a float32
+// bias tile is staged; a mask's bits beside dropout's row keys spilled 424 bytes at 128).
+constexpr int BlockMOf(int padded_dim, bool narrow) { return padded_dim == 64 && !narrow ? 128 : 64; }
+constexpr bool NarrowRows(Elementwise f) {
+  return Has(f, Elementwise::kBiasF32) || Has(f, Elementwise::kMaskDropout);
+}
 
 // kFeature: segment ids (each stage also holds its query tile's ids where there is room), a
 // dense bias or mask (each stage also holds its query tile's [kBlockM x kBlockN] tile of it;
@@ -116,7 +121,7 @@ struct Layout {
   static constexpr bool kSegments = Has(kFeature, Elementwise::kSegmentIds);
   static constexpr int kPaddedDim = PaddedHeadDim<kHeadDim>::kValue;
   static constexpr bool kSplitQueries = kPaddedDim == 256;
-  static constexpr int kBlockM = BlockMOf(kPaddedDim, Has(kFeature, Elementwise::kBiasF32));
+  static constexpr int kBlockM = BlockMOf(kPaddedDim, NarrowRows(kFeature));
   static constexpr int kBlockN = kSplitQueries ? 64 : 128;
   // One 64 x 64 dQ block per tile, which both warpgroups add to: each sends the other the
   // half of its columns the other reduces into the accumulator.

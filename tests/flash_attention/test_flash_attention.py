@@ -161,6 +161,12 @@ CASES = [
          q_heads=2, kv_heads=2, head_dim=128, bias="BH", mask="11", dropout=0.15, deterministic=True),
     Case("tiles_dropout_constant_bias_causal_f16_d256", dtype="float16", batch=1, seq_q=200, seq_k=200, q_heads=2,
          kv_heads=1, head_dim=256, causal=True, bias="11", bias_constant=True, dropout=0.1),
+    # d64's mask with dropout takes 64-query backward tiles (the head dim 40 call runs on d64's
+    # kernels).
+    Case("tiles_dropout_mask_causal_bf16_d64_gqa", dtype="bfloat16", batch=2, seq_q=301, seq_k=320, q_heads=4,
+         kv_heads=2, causal=True, mask="B1", dropout=0.2),
+    Case("tiles_dropout_mask_deterministic_f16_d40", dtype="float16", batch=2, seq_q=200, seq_k=272, q_heads=2,
+         kv_heads=2, head_dim=40, mask="BH", dropout=0.3, deterministic=True),
     Case("tiles_dropout_mask_bf16_d192_sinks", dtype="bfloat16", batch=1, seq_q=150, seq_k=272, q_heads=2,
          kv_heads=2, head_dim=192, mask="BH", sinks=True, dropout=0.25),
     Case("tiles_dropout_bias_deterministic_f16_d96", dtype="float16", batch=2, seq_q=130, seq_k=264, q_heads=2,

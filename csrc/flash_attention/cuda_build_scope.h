@@ -11,8 +11,8 @@
 //   CUDA entry point rejects a call that needs one (CheckFeaturesBuilt).
 #pragma once
 
+#include <array>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -78,12 +78,24 @@ constexpr bool HeadDimBuilt(int64_t d) {
 // least d. d must be a multiple of 8 (rows of whole 16-byte units, as TMA and the 16-byte
 // copies read them); the kernels read columns past d as zeros, which add nothing to q.k and
 // give output columns of zeros, and store none of them. 0 where no built kernel takes d.
+inline constexpr std::array<int64_t, 5> kKernelHeadDims = {64, 96, 128, 192, 256};
 constexpr int64_t KernelHeadDim(int64_t d) {
   if (d <= 0 || d % 8 != 0) return 0;
-  for (const int64_t built : {64, 96, 128, 192, 256}) {
+  for (const int64_t built : kKernelHeadDims) {
     if (built >= d && HeadDimBuilt(built)) return built;
   }
   return 0;
+}
+
+// Why no built kernel takes head dim d, "" when one does (KernelHeadDim).
+inline std::string HeadDimUnsupportedReason(int64_t d) {
+  if (KernelHeadDim(d) != 0) return "";
+  std::string built;
+  for (const int64_t k : kKernelHeadDims) {
+    if (HeadDimBuilt(k)) built += (built.empty() ? "" : ", ") + std::to_string(k);
+  }
+  return "head_dim " + std::to_string(d) + " is not built (the CUDA kernels take multiples of 8 up to the largest " +
+         "built head dim; built: " + built + ")";
 }
 
 inline constexpr bool kFloat16Built = EJK_FA_FEATURE_ENABLED(float16) != 0;

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,23 +23,13 @@ namespace ffi = xla::ffi;
 namespace ejk::flash_attention {
 namespace {
 
-constexpr std::array<int, 5> kHeadDims = {64, 96, 128, 192, 256};
-
 // Why the CUDA kernels cannot take a call of this dtype and head dim ("" when they can).
 std::string UnsupportedReason(const std::string& dtype, int64_t head_dim) {
   if (dtype != "bfloat16" && dtype != "float16") {
     return "the CUDA kernels take bfloat16 or float16 inputs, got " + dtype;
   }
   if (dtype == "float16" && !kFloat16Built) return "float16 is not built (EJKERNEL_CUDA_FEATURES)";
-  if (KernelHeadDim(head_dim) == 0) {
-    std::string built;
-    for (int d : kHeadDims) {
-      if (HeadDimBuilt(d)) built += (built.empty() ? "" : ", ") + std::to_string(d);
-    }
-    return "head_dim " + std::to_string(head_dim) + " is not built (the CUDA kernels take multiples of 8 up to " +
-           "the largest built head dim; built: " + built + ")";
-  }
-  return "";
+  return HeadDimUnsupportedReason(head_dim);
 }
 
 StatusOr<CudaConfig> ConfigFromAttrs(int64_t block_q, int64_t block_k, int64_t num_warps,
@@ -289,8 +278,9 @@ std::vector<CudaConfig> CudaForwardTiles(const nlohmann::json& signature) {
     for (const hopper::ForwardTile& t : hopper::ForwardTiles(call)) tiles.push_back(t.config());
     return tiles;
   }
-  return MmaForwardTiles(KernelHeadDim(head_dim), HasFeature(signature, "bias") || HasFeature(signature, "attention_mask") ||
-                                       HasFeature(signature, "dropout") || HasFeature(signature, "segment_ids"));
+  return MmaForwardTiles(KernelHeadDim(head_dim),
+                         HasFeature(signature, "bias") || HasFeature(signature, "attention_mask") ||
+                             HasFeature(signature, "dropout") || HasFeature(signature, "segment_ids"));
 }
 
 Config ConfigJson(const CudaConfig& c) {

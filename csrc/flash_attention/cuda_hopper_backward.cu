@@ -356,10 +356,7 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
   const ForwardParams& f = p.fwd;
   if (std::string why = HopperUnsupportedReason(device, EJK_CUDA_ARCHS); !why.empty()) return no(why);
   if (f.q.dtype != DType::kBF16 && f.q.dtype != DType::kF16) return no("query dtype must be bf16 or f16, got " + f.q.ToString());
-  if (KernelHeadDim(dims.head_dim) == 0) {
-    return no("head_dim must be a multiple of 8 up to a built one of 64, 96, 128, 192, 256, got " +
-              std::to_string(dims.head_dim));
-  }
+  if (std::string why = HeadDimUnsupportedReason(dims.head_dim); !why.empty()) return no(why);
   const hopper::ForwardCall call = hopper::ForwardCallOf(f, dims);
   if (f.bias.present() || f.mask.present()) {
     // The forward's rule (one of them, not with packed sequences, ...), then the backward's own.

@@ -459,9 +459,7 @@ Status HopperSupportsKind(DType dtype, const hopper::ForwardCall& call, const Cu
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return HopperUnsupported(std::string("query dtype must be bf16 or f16, got ") + DTypeName(dtype));
   }
-  if (!HeadDimBuilt(call.head_dim)) {
-    return HopperUnsupported("head_dim must be a multiple of 8 up to a built one of 64, 96, 128, 192, 256");
-  }
+  if (call.head_dim == 0) return HopperUnsupported("no kernel is built for the call's head dim (KernelHeadDim)");
   if (std::string why = hopper::DenseUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
   if (std::string why = hopper::DropoutUnsupportedReason(call); !why.empty()) return HopperUnsupported(why);
   return Status::Ok();

@@ -1607,6 +1607,20 @@ Status LaunchMasked(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStre
   }
 }
 
+// The kernel of kFeature, masked where the call is causal or windowed. kWithSoftcap: the soft
+// cap is dispatched on (else the feature is built without one).
+template <int kHeadDim, Elementwise kFeature, bool kWithSoftcap = true>
+Status LaunchMaskedIfNeeded(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
+  if constexpr (kWithSoftcap) {
+    return masked ? LaunchMasked<kHeadDim, true, kFeature>(args, cfg, stream)
+                  : LaunchMasked<kHeadDim, false, kFeature>(args, cfg, stream);
+  } else {
+    return masked ? LaunchDType<kHeadDim, true, false, kFeature>(args, cfg, stream)
+                  : LaunchDType<kHeadDim, false, false, kFeature>(args, cfg, stream);
+  }
+}
+
 // Calls with segment ids (the masked kernels' tiles, every key tile masked element-wise);
 // instantiated per head dim in cuda_hopper_forward_segments_hdim*.cu.
 template <int kHeadDim>
@@ -1626,22 +1640,15 @@ Status LaunchBiasF32(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
       return FeatureNotBuilt("segment_ids");
     }
   }
-  return CausalOrWindow(ForwardCallOf(args.p, args.dims))
-             ? LaunchMasked<kHeadDim, true, Elementwise::kBiasF32>(args, cfg, stream)
-             : LaunchMasked<kHeadDim, false, Elementwise::kBiasF32>(args, cfg, stream);
+  return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kBiasF32>(args, cfg, stream);
 }
 
 // Calls with a bias of the query's dtype or an attention mask (DenseUnsupportedReason: one of
 // them, or both folded into a bias); instantiated per head dim in cuda_hopper_forward_dense_hdim*.cu.
 template <int kHeadDim>
 Status LaunchDense(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
-  const bool masked = CausalOrWindow(ForwardCallOf(args.p, args.dims));
-  if (args.p.bias.present()) {
-    return masked ? LaunchMasked<kHeadDim, true, Elementwise::kBias>(args, cfg, stream)
-                  : LaunchMasked<kHeadDim, false, Elementwise::kBias>(args, cfg, stream);
-  }
-  return masked ? LaunchMasked<kHeadDim, true, Elementwise::kMask>(args, cfg, stream)
-                : LaunchMasked<kHeadDim, false, Elementwise::kMask>(args, cfg, stream);
+  if (args.p.bias.present()) return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kBias>(args, cfg, stream);
+  return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kMask>(args, cfg, stream);
 }
 
 // Calls with dropout without a bias or mask, with or without segment ids;
@@ -1655,9 +1662,7 @@ Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
       return FeatureNotBuilt("segment_ids");
     }
   }
-  return CausalOrWindow(ForwardCallOf(args.p, args.dims))
-             ? LaunchMasked<kHeadDim, true, Elementwise::kDropout>(args, cfg, stream)
-             : LaunchMasked<kHeadDim, false, Elementwise::kDropout>(args, cfg, stream);
+  return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kDropout>(args, cfg, stream);
 }
 
 // Calls with dropout and a bias or an attention mask (both folded into one bias where needed;
@@ -1671,21 +1676,15 @@ Status LaunchDenseDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cu
     return Status::Internal("hopper flash attention: no dropout kernel with a bias or mask and a soft cap or "
                             "segment ids");
   }
-  const bool masked = CausalOrWindow(ForwardCallOf(p, args.dims));
   if (p.bias.present() && p.bias.dtype == DType::kF32) {
     if constexpr (kHeadDim <= 192) {
-      return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBiasF32Dropout>(args, cfg, stream)
-                    : LaunchDType<kHeadDim, false, false, Elementwise::kBiasF32Dropout>(args, cfg, stream);
+      return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kBiasF32Dropout, false>(args, cfg, stream);
     } else {
       return Status::Internal("hopper flash attention: no float32 bias kernel at head_dim 256");
     }
   }
-  if (p.bias.present()) {
-    return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kBiasDropout>(args, cfg, stream)
-                  : LaunchDType<kHeadDim, false, false, Elementwise::kBiasDropout>(args, cfg, stream);
-  }
-  return masked ? LaunchDType<kHeadDim, true, false, Elementwise::kMaskDropout>(args, cfg, stream)
-                : LaunchDType<kHeadDim, false, false, Elementwise::kMaskDropout>(args, cfg, stream);
+  if (p.bias.present()) return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kBiasDropout, false>(args, cfg, stream);
+  return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kMaskDropout, false>(args, cfg, stream);
 }
 
 // Calls with segment ids and a bias or an attention mask (DenseUnsupportedReason); instantiated
@@ -1721,9 +1720,7 @@ Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t s
     }
   }
   if (args.p.bias.present() || args.p.mask.present()) return LaunchDense<kHeadDim>(args, cfg, stream);
-  return CausalOrWindow(ForwardCallOf(args.p, args.dims))
-             ? LaunchMasked<kHeadDim, true, Elementwise::kNone>(args, cfg, stream)
-             : LaunchMasked<kHeadDim, false, Elementwise::kNone>(args, cfg, stream);
+  return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kNone>(args, cfg, stream);
 }
 
 }  // namespace ejk::flash_attention::hopper

@@ -184,9 +184,8 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
     return Status::Unimplemented(std::string("flash attention backward (mma): dtype ") + DTypeName(fp.q.dtype) +
                                  " not supported (bf16, f16 only)");
   }
-  if (KernelHeadDim(d.head_dim) == 0) {
-    return Status::Unimplemented("flash attention backward (mma): head_dim " + std::to_string(d.head_dim) +
-                                 " is not a multiple of 8 up to a built one (64, 96, 128, 192, 256)");
+  if (std::string why = HeadDimUnsupportedReason(d.head_dim); !why.empty()) {
+    return Status::Unimplemented("flash attention backward (mma): " + why);
   }
   if (fp.dropout_prob > 0.0f && args.dropout_seed == nullptr) {
     return Status::InvalidArgument("flash attention backward: dropout needs a dropout_seed");

@@ -21,11 +21,8 @@ Status MmaSupports(const ForwardParams& p, const Dims& dims) {
     return Status::Unimplemented(prefix + "inputs must be bfloat16 or float16 (tensor cores take 16-bit operands), got " +
                                  DTypeName(p.q.dtype) + " query " + p.q.ToString());
   }
-  const int64_t d = dims.head_dim;
-  if (KernelHeadDim(d) == 0) {
-    return Status::Unimplemented(prefix + "head_dim must be a multiple of 8 up to a head dim built into this " +
-                                 "build (64, 96, 128, 192, 256; EJKERNEL_CUDA_HEAD_DIMS), got " + std::to_string(d) +
-                                 " (query " + p.q.ToString() + ")");
+  if (std::string why = HeadDimUnsupportedReason(dims.head_dim); !why.empty()) {
+    return Status::Unimplemented(prefix + why + " (query " + p.q.ToString() + ")");
   }
   if (!Aligned16(p.q.data) || !Aligned16(p.k.data) || !Aligned16(p.v.data) || !Aligned16(p.out.data)) {
     return Status::Unimplemented(prefix + "query, key, value and out must be 16-byte aligned");

@@ -53,7 +53,8 @@ class Case:
     deterministic: bool = False  # the backward's bit-reproducible mode
     # "bias": an additive [1, H, S, S] bias; "bias_bh": one of [B, H, S, S]; "bias_f32": the
     # [1, H, S, S] bias in float32 (every implementation gets it as it is); "mask": a boolean
-    # [B, 1, S, S] mask; "bias_mask": the [1, H, S, S] bias and a [1, 1, S, S] mask
+    # [B, 1, S, S] mask; "bias_mask": the [1, H, S, S] bias and a [1, 1, S, S] mask;
+    # "bias_mask_rows": the [1, H, S, S] bias and a [B, 1, S, S] mask (crossed broadcasts)
     dense: str = ""
     dense_grad: bool = False  # forward+backward also differentiates the bias
     # Dropout on the probabilities (ours; XLA: ejkernel's XLA implementation, the same hash).
@@ -148,6 +149,10 @@ def extra_cases() -> list[Case]:
         Case("dropout_dbias_d64", 4, 4096, 32, 64, dense="bias", dense_grad=True, dropout=0.1),
         Case("dropout_bias_f32", 4, 4096, 16, 128, dense="bias_f32", dropout=0.1),
         Case("dropout_mask_d64", 4, 4096, 32, 64, dense="mask", dropout=0.1),
+        # T5 in training: a learned relative-position bias shared by the batch, a mask per
+        # example, dropout.
+        Case("dbias_mask_rows_d64", 4, 4096, 32, 64, dense="bias_mask_rows", dense_grad=True),
+        Case("dropout_dbias_mask_rows_d64", 4, 4096, 32, 64, dense="bias_mask_rows", dense_grad=True, dropout=0.1),
     ]
 
 
@@ -183,16 +188,17 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
         return (jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)
     if case.dense == "mask":
         return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
-    if case.dense == "bias_mask":
+    if case.dense in ("bias_mask", "bias_mask_rows"):
         bias = jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16)
-        return bias, jnp.asarray(rng.random((1, 1, case.seqlen, case.seqlen)) > 0.1)
+        rows = case.batch if case.dense == "bias_mask_rows" else 1
+        return bias, jnp.asarray(rng.random((rows, 1, case.seqlen, case.seqlen)) > 0.1)
     return ()
 
 
 def _dense_kwargs(case: Case, dense: tuple, bias: str, mask: str) -> dict[str, Any]:
     """The dense inputs as keyword arguments named `bias` and `mask`."""
-    names = {"bias": (bias,), "bias_bh": (bias,), "bias_f32": (bias,), "mask": (mask,), "bias_mask": (bias, mask)}.get(
-        case.dense, ())
+    names = {"bias": (bias,), "bias_bh": (bias,), "bias_f32": (bias,), "mask": (mask,), "bias_mask": (bias, mask),
+             "bias_mask_rows": (bias, mask)}.get(case.dense, ())
     return dict(zip(names, dense))
 
 

@@ -23,10 +23,13 @@ namespace ejk::flash_attention {
 inline size_t AlignScratch(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The dropout seed is a device scalar (uint32), read only when dropout is on.
+// dropout_first_batch: the batch index the dropout hash gives the call's first row, so that a
+// call run one batch row at a time drops what the whole call would.
 struct CudaForwardArgs {
   ForwardParams p;
   Dims dims;
   const uint32_t* dropout_seed = nullptr;
+  int64_t dropout_first_batch = 0;
   // ForwardHopperScratchBytes of device memory, or null: with segment ids, the Hopper kernels
   // then skip the key tiles outside each query tile's segments (a C++ caller may pass null);
   // a call with a folded bias (hopper::PlanFold) needs it.
@@ -37,6 +40,7 @@ struct CudaBackwardArgs {
   BackwardParams p;
   Dims dims;
   const uint32_t* dropout_seed = nullptr;
+  int64_t dropout_first_batch = 0;
 };
 
 // Portable tensor-core kernels (mma.sync, ldmatrix, cp.async): bf16/f16, head dims

@@ -373,10 +373,6 @@ Status HopperBackwardSupports(const BackwardParams& p, const Dims& dims, const C
     }
   }
   if (std::string why = hopper::DropoutUnsupportedReason(call); !why.empty()) return no(why);
-  // Those rows would each hash as batch row 0.
-  if (call.dropout && hopper_backward::DeterministicRowsSumDbias(p, dims, device)) {
-    return no("deterministic mode with dropout and the gradient of a bias broadcast over the batch is not supported");
-  }
   if (dims.batch == 0 || dims.seqlen_q == 0 || dims.seqlen_k == 0) return no("empty sequences are not supported");
   if (dims.seqlen_q + dims.seqlen_k >= (int64_t{1} << 30)) return no("sequence lengths too large");
   if (dims.batch >= 65536 || dims.num_kv_heads >= 65536) return no("batch and num_kv_heads must be below 65536");
@@ -445,6 +441,7 @@ Status BackwardHopper(const CudaBackwardArgs& args, void* scratch, cudaStream_t 
       row.fwd = hopper::ForwardParamsOfRow(whole.p.fwd, b);
       for (TensorView* t : {&row.dout, &row.dlse, &row.dq, &row.dk, &row.dv, &row.dbias}) *t = hopper::BatchRow(*t, b);
       one.dims.batch = 1;
+      one.dropout_first_batch = b;
       shared.dbias_shared = args.p.dbias.present() && args.p.dbias.dim(0) == 1 && args.dims.batch > 1;
       shared.add = b > 0;
     }
@@ -509,7 +506,7 @@ Status Run(const CudaBackwardArgs& args, bool narrow, void* scratch, cudaStream_
   kp.q_tile_segments = nullptr;
   kp.kv_segment_ids = nullptr;
   kp.dq_turns = nullptr;
-  EJK_RETURN_IF_ERROR(hopper::PrepareDropoutOperand(f, args.dropout_seed, &kp.dropout));
+  EJK_RETURN_IF_ERROR(hopper::PrepareDropoutOperand(f, args.dropout_seed, args.dropout_first_batch, &kp.dropout));
   EJK_RETURN_IF_ERROR(hopper::PrepareDenseOperand(f, block_m, &kp.dense));
   kp.batch_inner = hopper::DenseSharedAcrossBatch(kp.dense, d);
   kp.dbias = nullptr;

@@ -174,15 +174,17 @@ Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n
     kp->logit_scale = p.softmax_scale * kLog2e;
   }
   WindowSides(ForwardCallOf(p, d), &kp->left, &kp->right);
-  return PrepareDropoutOperand(p, args.dropout_seed, &kp->dropout);
+  return PrepareDropoutOperand(p, args.dropout_seed, args.dropout_first_batch, &kp->dropout);
 }
 
-Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, DropoutOperand* dropout) {
+Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, int64_t first_batch,
+                             DropoutOperand* dropout) {
   const bool on = p.dropout_prob > 0.0f;
   if (on && seed == nullptr) return Status::InvalidArgument("hopper flash attention: dropout needs the seed");
   dropout->seed = on ? seed : nullptr;
   dropout->shifted_threshold = on ? DropoutThreshold(p.dropout_prob) << 8 : 0u;
   dropout->scale = on ? 1.0f / (1.0f - p.dropout_prob) : 1.0f;
+  dropout->first_batch = static_cast<uint32_t>(first_batch);
   return Status::Ok();
 }
 
@@ -532,6 +534,7 @@ Status ForwardHopper(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
     if (call.fold_per_row) {
       folded.p = hopper::ForwardParamsOfRow(args.p, b);
       folded.dims.batch = 1;
+      folded.dropout_first_batch = b;
     }
     EJK_RETURN_IF_ERROR(hopper::FoldBiasAndMask(folded.p, call, at, stream, &folded.p.bias));
     folded.p.mask = TensorView{};

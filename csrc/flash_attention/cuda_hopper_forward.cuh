@@ -134,11 +134,13 @@ struct DenseOperand {
 };
 
 // What the kDropout kernels read (PrepareDropoutOperand): the seed (a device scalar, null
-// without dropout), DropoutThreshold << 8 and 1 / (1 - p).
+// without dropout), DropoutThreshold << 8, 1 / (1 - p), and the batch index the hash gives the
+// launch's first row (nonzero where a call runs one batch row at a time).
 struct DropoutOperand {
   const uint32_t* seed;
   uint32_t shifted_threshold;
   float scale;
+  uint32_t first_batch;
 };
 
 template <int kHeadDim, int kWarpgroups, int kBlockN_, int kStages_, Elementwise kFeature = Elementwise::kNone>
@@ -996,7 +998,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       const uint32_t seed = __ldg(p.dropout.seed);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        dropout_row_key[r] = DropoutRowKey(seed, static_cast<uint32_t>(batch * p.num_q_heads + head),
+        dropout_row_key[r] = DropoutRowKey(seed, (p.dropout.first_batch + batch) * p.num_q_heads + head,
                                            static_cast<uint32_t>(tl.q_begin + row0 + 8 * r));
       }
     }
@@ -1452,7 +1454,8 @@ Status MakeTensorMap(const TensorView& t, int box_rows, const char* name, CUtens
 // The call's bias or mask, if any, for tiles of box_rows rows (the forward's and the backward's).
 Status PrepareDenseOperand(const ForwardParams& p, int box_rows, DenseOperand* dense);
 // The call's dropout for both directions' kernels; an error where dropout is on without a seed.
-Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, DropoutOperand* dropout);
+Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, int64_t first_batch,
+                             DropoutOperand* dropout);
 // Whether the call's bias or mask has a plane per head and broadcasts over several batch rows:
 // then both directions number their (batch, head) pairs batch-minor (batch_inner), so that the
 // rows reading one plane's tiles run together and share them through L2.

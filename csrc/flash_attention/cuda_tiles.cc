@@ -122,10 +122,6 @@ std::string DropoutUnsupportedReason(const ForwardCall& c) {
   if (!c.dropout || (!c.bias && !c.mask)) return "";
   if (c.soft_cap) return "dropout with a bias or an attention mask and a soft cap is not supported";
   if (c.segment_ids) return "dropout with a bias or an attention mask and segment ids is not supported";
-  if (c.fold_per_row) {
-    return "dropout with a bias and a mask whose broadcasts cross (folded one batch row at a time) is not "
-           "supported";
-  }
   return "";
 }
 

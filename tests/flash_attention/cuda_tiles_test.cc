@@ -115,8 +115,8 @@ TEST(HopperForwardTiles, DropoutRunsWithoutPerElementOperands) {
   EXPECT_EQ(hopper::DropoutUnsupportedReason(c), "");
 }
 
-// With a bias or a mask (folded or not), the kernels take dropout; not with a soft cap,
-// segment ids, or a fold per batch row.
+// With a bias or a mask (folded or not), the kernels take dropout; not with a soft cap or
+// segment ids.
 TEST(HopperForwardTiles, DropoutWithABiasOrMask) {
   for (bool ForwardCall::*operand : {&ForwardCall::bias, &ForwardCall::mask}) {
     ForwardCall with = Causal(Call(64, 4096, 4096));
@@ -140,11 +140,13 @@ TEST(HopperForwardTiles, DropoutWithABiasOrMask) {
   EXPECT_EQ(ForwardTiles(f32), (Tiles{hopper::kTileDenseNarrow}));
   ForwardCall both = Call(128, 4096, 1000);
   both.dropout = both.bias = both.mask = true;
-  hopper::PlanFold(1, 8, 4, 1, &both);  // [1, H] with [B, 1]: one batch row at a time
-  EXPECT_TRUE(both.fold_per_row);
-  EXPECT_NE(hopper::DropoutUnsupportedReason(both), "");
-  hopper::PlanFold(4, 8, 4, 1, &both);  // folded whole
+  // Folded whole, or one batch row at a time ([1, H] with [B, 1]: each row hashes as its batch
+  // index, CudaForwardArgs::dropout_first_batch).
+  hopper::PlanFold(4, 8, 4, 1, &both);
   EXPECT_FALSE(both.fold_per_row);
+  EXPECT_EQ(hopper::DropoutUnsupportedReason(both), "");
+  hopper::PlanFold(1, 8, 4, 1, &both);
+  EXPECT_TRUE(both.fold_per_row);
   EXPECT_EQ(hopper::DropoutUnsupportedReason(both), "");
 }
 

@@ -155,17 +155,17 @@ for head_dim, seq_q, seq_k in ((64, 70, 144), (96, 200, 96), (128, 131, 160), (6
     jax.block_until_ready(jax.grad(segments_dense_loss, argnums=(0, 1, 2, 3))(q, k, v, bias.astype(jnp.float32)))
     calls += 3
 # Deterministic mode with the gradient of a bias broadcast over the batch, one batch row at a
-# time (a row's grid, 66 kv heads x 2 key blocks, fills the H100's 132 multiprocessors).
+# time (a row's grid, 66 kv heads x 2 key blocks, fills the H100's 132 multiprocessors), with
+# and without dropout.
 q, k, v = normal(2, 64, 66, 64), normal(2, 200, 66, 64), normal(2, 200, 66, 64)
+for dropout in (0.0, 0.2):
+    def row_summed_loss(q, k, v, bias):
+        out = flash_attention(q, k, v, bias=bias, deterministic=True, dropout_prob=dropout, dropout_seed=9,
+                              platform="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
-
-def row_summed_loss(q, k, v, bias):
-    out = flash_attention(q, k, v, bias=bias, deterministic=True, platform="cuda")
-    return jnp.sum(out.astype(jnp.float32) ** 2)
-
-
-jax.block_until_ready(jax.grad(row_summed_loss, argnums=(0, 1, 2, 3))(q, k, v, normal(1, 66, 64, 200)))
-calls += 1
+    jax.block_until_ready(jax.grad(row_summed_loss, argnums=(0, 1, 2, 3))(q, k, v, normal(1, 66, 64, 200)))
+    calls += 1
 # Not causal with more than 1024 keys: the 176-key d96 and d128 kernels (shorter calls take
 # 128-key tiles).
 for head_dim in (96, 128):

@@ -179,6 +179,18 @@ CASES = [
          kv_heads=2, head_dim=128, bias="BH", bias_dtype="float32", dropout=0.3, deterministic=True),
     Case("tiles_dropout_bias_f32_window_bf16_d192", dtype="bfloat16", batch=1, seq_q=259, seq_k=200, q_heads=2,
          kv_heads=1, head_dim=192, window=(60, 4), bias="11", bias_dtype="float32", dropout=0.15),
+    # Dropout on calls the Hopper kernels run one batch row at a time, each row hashed as its own
+    # batch index: a bias and a mask whose broadcasts cross ([1, H] with [B, 1]), and in
+    # deterministic mode the gradient of a bias broadcast over the batch (a row's grid, kv heads
+    # x 128-key blocks, fills the GPU).
+    Case("tiles_dropout_bias_mask_per_row_causal_sinks_bf16_d128_gqa", dtype="bfloat16", batch=3, seq_q=259,
+         seq_k=264, q_heads=4, kv_heads=2, head_dim=128, causal=True, sinks=True, bias="1H", mask="B1",
+         dropout=0.2),
+    Case("tiles_dropout_bias_mask_per_row_odd_keys_deterministic_f16_d96", dtype="float16", batch=2, seq_q=131,
+         seq_k=197, q_heads=2, kv_heads=1, head_dim=96, window=(60, 10), bias="1H", mask="B1", dropout=0.3,
+         deterministic=True),
+    Case("tiles_dropout_deterministic_dbias_over_batch_causal_gqa_f16_d64", dtype="float16", batch=3, seq_q=200,
+         seq_k=2100, q_heads=16, kv_heads=8, causal=True, bias="1H", dropout=0.15, deterministic=True),
     # Head dims between built ones run on the next built head dim's kernels (80 -> 96, 40 -> 64,
     # 160 -> 192), which read the columns past the call's as zeros and store none of them.
     Case("tiles_d80_bf16_causal_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,

@@ -54,7 +54,10 @@ class Case:
     # "bias": an additive [1, H, S, S] bias; "bias_bh": one of [B, H, S, S]; "bias_f32": the
     # [1, H, S, S] bias in float32 (every implementation gets it as it is); "mask": a boolean
     # [B, 1, S, S] mask; "bias_mask": the [1, H, S, S] bias and a [1, 1, S, S] mask;
-    # "bias_mask_rows": the [1, H, S, S] bias and a [B, 1, S, S] mask (crossed broadcasts)
+    # "bias_mask_rows": the [1, H, S, S] bias and a [B, 1, S, S] mask (crossed broadcasts);
+    # "key_padding": a [B, 1, 1, S] mask hiding each row's keys past a random length in
+    # [S/2, S] (cuDNN and XLA get the lengths as key_value_seq_lengths); "bias_key_padding":
+    # the [1, H, S, S] bias and that mask
     dense: str = ""
     dense_grad: bool = False  # forward+backward also differentiates the bias
     # Dropout on the probabilities (ours; XLA: ejkernel's XLA implementation, the same hash).
@@ -153,6 +156,10 @@ def extra_cases() -> list[Case]:
         # example, dropout.
         Case("dbias_mask_rows_d64", 4, 4096, 32, 64, dense="bias_mask_rows", dense_grad=True),
         Case("dropout_dbias_mask_rows_d64", 4, 4096, 32, 64, dense="bias_mask_rows", dense_grad=True, dropout=0.1),
+        # Padded batches (BERT): a key padding mask, run as segment ids.
+        Case("key_padding", 8, 2048, 16, 128, dense="key_padding"),
+        Case("key_padding_d64", 8, 2048, 12, 64, dense="key_padding"),
+        Case("dbias_key_padding_d64", 4, 4096, 32, 64, dense="bias_key_padding", dense_grad=True),
     ]
 
 
@@ -186,6 +193,13 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
         shape = (rows, case.heads, case.seqlen, case.seqlen)
         dtype = jnp.float32 if case.dense == "bias_f32" else jnp.bfloat16
         return (jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)
+    if case.dense in ("key_padding", "bias_key_padding"):
+        lengths = np.random.default_rng(case.seqlen).integers(case.seqlen // 2, case.seqlen + 1, case.batch)
+        mask = jnp.asarray(np.arange(case.seqlen)[None, None, None, :] < lengths[:, None, None, None])
+        if case.dense == "key_padding":
+            return (mask,)
+        bias = jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16)
+        return bias, mask
     if case.dense == "mask":
         return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
     if case.dense in ("bias_mask", "bias_mask_rows"):
@@ -198,7 +212,8 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
 def _dense_kwargs(case: Case, dense: tuple, bias: str, mask: str) -> dict[str, Any]:
     """The dense inputs as keyword arguments named `bias` and `mask`."""
     names = {"bias": (bias,), "bias_bh": (bias,), "bias_f32": (bias,), "mask": (mask,), "bias_mask": (bias, mask),
-             "bias_mask_rows": (bias, mask)}.get(case.dense, ())
+             "bias_mask_rows": (bias, mask), "key_padding": (mask,), "bias_key_padding": (bias, mask)}.get(
+        case.dense, ())
     return dict(zip(names, dense))
 
 
@@ -250,6 +265,13 @@ def _dpa(case: Case, lengths, implementation: str) -> Callable | None:
     if lengths is not None:
         # Padded layout [num_seqs, max_len] with per-sequence lengths: what cuDNN offers for varlen.
         return None
+    if case.dense in ("key_padding", "bias_key_padding"):
+        def padded(q, k, v, *dense):
+            *bias, mask = dense
+            return jax.nn.dot_product_attention(
+                q, k, v, *bias, key_value_seq_lengths=jnp.sum(mask[:, 0, 0], axis=-1, dtype=jnp.int32), **kw)
+
+        return padded
     return lambda q, k, v, *dense: jax.nn.dot_product_attention(
         q, k, v, **kw, **_dense_kwargs(case, dense, "bias", "mask"))
 

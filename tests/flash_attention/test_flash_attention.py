@@ -915,6 +915,92 @@ def test_fully_masked_is_zero_and_finite(impl, case, rng):
         np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0, err_msg=name)
 
 
+# Bias and mask shapes that broadcast over the query or key dims too, NumPy style (rank below
+# 4 gets leading 1s); batch 2, 4 query heads, 37 queries, 41 keys. A mask over keys alone or
+# queries alone, shared by the heads, runs as segment ids; the rest is materialised.
+BROADCAST_OPERANDS = [
+    ("bias_key_padding", (2, 1, 1, 41), None),
+    ("bias_per_head_queries_rank3", (4, 37, 1), None),
+    ("bias_rank2", (37, 41), None),
+    ("mask_key_padding", None, (2, 1, 1, 41)),
+    ("mask_query_rows_shared", None, (1, 1, 37, 1)),
+    ("mask_keys_per_head", None, (1, 4, 1, 41)),
+    ("bias_with_key_padding_mask", (1, 4, 37, 41), (2, 1, 1, 41)),
+]
+
+
+@pytest.mark.parametrize("name,bias_shape,mask_shape", BROADCAST_OPERANDS, ids=[o[0] for o in BROADCAST_OPERANDS])
+def test_bias_and_mask_broadcast_over_queries_and_keys(impl, name, bias_shape, mask_shape, rng):
+    """Through the public API: out, lse and every gradient against the reference given the
+    operands broadcast in full; the bias's gradient summed back to its own shape."""
+    from ejkernel.modules import flash_attention
+
+    case = impl.adapt(Case(name, dtype="float32", batch=2, seq_q=37, seq_k=41, q_heads=4, kv_heads=2, causal=True))
+    impl.require("backward")
+    q, k, v, _, static = make_inputs(case, rng)
+    full = (2, 4, 37, 41)
+    arrays, reference_arrays = {}, {}
+    if bias_shape is not None:
+        arrays["bias"] = jnp.asarray(rng.standard_normal(bias_shape), q.dtype)
+        reference_arrays["bias"] = jnp.broadcast_to(arrays["bias"], full)
+    if mask_shape is not None:
+        mask = rng.random(mask_shape) < 0.8
+        mask.reshape(-1)[:2] = False  # hidden rows or keys, whatever the draw
+        arrays["attention_mask"] = jnp.asarray(mask)
+        reference_arrays["attention_mask"] = jnp.broadcast_to(arrays["attention_mask"], full)
+
+    def public(query, key, value, **kwargs):
+        kwargs.pop("deterministic")
+        return flash_attention(query, key, value, return_lse=True, platform=impl.name, **kwargs)
+
+    dout, dlse = cotangents_for(q, rng)
+    (out, lse), grads = forward_and_grads(public, q, k, v, arrays, static, dout, dlse)
+    kwargs = {**reference_arrays, **static}
+    want_out, want_lse, want, allowance = reference_grads(
+        q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True, delta_error=delta_error(q.dtype))
+    approx_out, approx_lse, approx = reference_grads(
+        q, k, v, dout=dout, dlse=dlse, **kwargs, return_outputs=True, compute_dtype=q.dtype)
+    assert_close("out", out, want_out, approx_out, summed_terms("out", q, k))
+    assert_close("lse", lse, want_lse, approx_lse)
+    for grad_name in ("query", "key", "value"):
+        assert_close(f"d{grad_name}", grads[grad_name], want[grad_name], approx[grad_name],
+                     summed_terms(grad_name, q, k), allowance[grad_name])
+    if bias_shape is not None:
+        compact = arrays["bias"].shape
+        padded = (1,) * (4 - len(compact)) + compact
+        summed_dims = tuple(i for i in range(4) if padded[i] == 1 and full[i] > 1)
+
+        def fold(x):
+            return np.sum(np.asarray(x, np.float64), axis=summed_dims, keepdims=True).reshape(compact)
+
+        assert grads["bias"].shape == compact and grads["bias"].dtype == q.dtype
+        terms = int(np.prod([full[i] for i in summed_dims]))
+        assert_close("dbias", grads["bias"], fold(want["bias"]), fold(approx["bias"]), terms,
+                     fold(allowance["bias"]))
+
+
+def test_key_padding_mask_runs_as_segment_ids(rng):
+    """A mask over keys alone (padding) reaches the platforms as segment ids; one with its own
+    plane per head stays a mask, materialised to [Sq, Sk] planes."""
+    from ejkernel.kernels.flash_attention import normalize, normalize_shapes
+
+    q = jnp.asarray(rng.standard_normal((2, 37, 4, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 41, 2, 32)), jnp.float32)
+    padding = jnp.asarray(rng.random((2, 1, 1, 41)) < 0.7)
+    args = normalize(q, k, k, attention_mask=padding)
+    assert args.attention_mask is None
+    np.testing.assert_array_equal(np.asarray(args.kv_segment_ids), np.where(np.asarray(padding)[:, 0, 0], 0, 1))
+    np.testing.assert_array_equal(np.asarray(args.q_segment_ids), 0)
+    shapes = normalize_shapes(q, k, k, attention_mask=padding)
+    assert shapes.attention_mask is None and shapes.kv_segment_ids.shape == (2, 41)
+    per_head = normalize(q, k, k, attention_mask=jnp.ones((1, 4, 1, 41), bool), bias=jnp.ones((37, 1)))
+    assert per_head.attention_mask.shape == (1, 4, 37, 41) and per_head.bias.shape == (1, 1, 37, 41)
+    # With segment ids of its own, the call keeps the mask (materialised).
+    ids = jnp.zeros((2, 37), jnp.int32), jnp.zeros((2, 41), jnp.int32)
+    with_ids = normalize(q, k, k, attention_mask=padding, q_segment_ids=ids[0], kv_segment_ids=ids[1])
+    assert with_ids.attention_mask.shape == (2, 1, 37, 41)
+
+
 def test_fmix32_known_values():
     assert int(fmix32(0)) == 0
     assert int(fmix32(1)) == 0x514E28B7

@@ -13,7 +13,7 @@ from ..kernels.flash_attention import (
     config_candidates,
     heuristic_config,
     native_unsupported,
-    normalize,
+    normalize_shapes,
 )
 from ..ops import Executor, Invocation, Kernel, Platform
 from ..registry import kernel_registry
@@ -49,7 +49,7 @@ class FlashAttention(Kernel[FlashAttentionConfig, Any]):
         names = ("attention_mask", "bias", "softmax_aux")
         positional = dict(zip(names, inv.args[3:]))
         kwargs = {k: v for k, v in inv.kwargs.items() if k in _ATTENTION_KWARGS or k in names}
-        return normalize(*inv.args[:3], **positional, **kwargs)
+        return normalize_shapes(*inv.args[:3], **positional, **kwargs)
 
     def heuristic_cfg(self, inv: Invocation) -> FlashAttentionConfig:
         return heuristic_config(inv.platform.value, self._args(inv))
@@ -86,8 +86,8 @@ def flash_attention(
     query: Float[Array, "batch seq_len_q num_q_heads head_dim"],
     key: Float[Array, "batch seq_len_k num_kv_heads head_dim"],
     value: Float[Array, "batch seq_len_k num_kv_heads head_dim"],
-    attention_mask: Bool[Array, "batch_or_1 heads_or_1 seq_len_q seq_len_k"] | None = None,
-    bias: Float[Array, "batch_or_1 heads_or_1 seq_len_q seq_len_k"] | None = None,
+    attention_mask: Bool[Array, "..."] | None = None,
+    bias: Float[Array, "..."] | None = None,
     softmax_aux: Float[Array, "num_q_heads"] | None = None,
     *,
     causal: bool = False,
@@ -113,8 +113,12 @@ def flash_attention(
     q head h reads kv head h // (num_q_heads // num_kv_heads)).
 
     Args:
-      attention_mask: bool, True = attend; broadcast over batch and heads (dims of size 1).
-      bias: additive logits bias, same broadcasting; added after the soft cap.
+      attention_mask: bool, True = attend; broadcasts to [batch, num_q_heads, seq_len_q,
+        seq_len_k] as in NumPy (e.g. [batch, 1, 1, seq_len_k] for key padding). A mask over
+        queries alone or keys alone, shared by the heads, runs as segment ids (where none are
+        given); other dims of 1 over queries or keys are materialised.
+      bias: additive logits bias, same broadcasting (materialised over queries and keys, its
+        gradient summed back); added after the soft cap.
       softmax_aux: one sink logit per q head: joins the softmax denominator, adds no value.
       causal: query i sees keys j <= i + (seq_len_k - seq_len_q) (bottom-right aligned).
       softmax_scale: defaults to 1/sqrt(head_dim).

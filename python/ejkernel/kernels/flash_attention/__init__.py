@@ -17,7 +17,7 @@ from typing import Any
 from ... import _native
 from ...registry import Backend, Platform, kernel_registry
 from ._ffi import flash_attention_native, native_signature
-from ._validate import AttentionArgs, normalize
+from ._validate import AttentionArgs, normalize, normalize_shapes
 from ._xla import flash_attention_xla
 
 OP = "flash_attention"
@@ -141,4 +141,5 @@ __all__ = [
     "native_signature",
     "native_unsupported",
     "normalize",
+    "normalize_shapes",
 ]

@@ -95,17 +95,31 @@ def signature_of(query: Any, key: Any) -> dict[str, Any]:
     }
 
 
-def _check_broadcast(x: Any, name: str, b: int, hq: int, sq: int, sk: int) -> None:
-    if x.ndim != 4:
-        raise ValueError(
-            f"{name} must have rank 4 [batch|1, num_q_heads|1, seq_len_q, seq_len_k], got {_shape(x)}"
-        )
-    xb, xh, xq, xk = x.shape
-    if xb not in (1, b) or xh not in (1, hq) or xq != sq or xk != sk:
-        raise ValueError(
-            f"{name} {_shape(x)} must broadcast to [batch={b}, num_q_heads={hq}, "
-            f"seq_len_q={sq}, seq_len_k={sk}] (batch and head dims may be 1)"
-        )
+def _dense_operand(x: Any, name: str, b: int, hq: int, sq: int, sk: int) -> Any:
+    """A bias or mask as [batch|1, num_q_heads|1, Sq|1, Sk|1]: NumPy broadcasting to
+    [B, Hq, Sq, Sk], leading dims of 1 added where the rank is below 4."""
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have rank at most 4 (broadcast to [batch, num_q_heads, seq_len_q, "
+                         f"seq_len_k]), got {_shape(x)}")
+    full = (b, hq, sq, sk)
+    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    if any(have not in (1, want) for have, want in zip(shape, full)):
+        raise ValueError(f"{name} {_shape(x)} must broadcast to [batch={b}, num_q_heads={hq}, seq_len_q={sq}, "
+                         f"seq_len_k={sk}]")
+    return x.reshape(shape)
+
+
+def _mask_as_segment_ids(mask: Any, b: int, sq: int, sk: int) -> tuple[Any, Any]:
+    """A mask [batch|1, 1, Sq, 1] or [batch|1, 1, 1, Sk] (which queries see every key, or which
+    keys every query sees: padding) as the equal segment ids, [B, Sq] and [B, Sk]: hidden
+    queries or keys get id 1, the rest 0."""
+    if mask.shape[3] == 1:
+        q_ids = jnp.where(mask[:, 0, :, 0], 0, 1)
+        kv_ids = jnp.zeros((1, sk), jnp.int32)
+    else:
+        q_ids = jnp.zeros((1, sq), jnp.int32)
+        kv_ids = jnp.where(mask[:, 0, 0, :], 0, 1)
+    return (jnp.broadcast_to(q_ids, (b, sq)).astype(jnp.int32), jnp.broadcast_to(kv_ids, (b, sk)).astype(jnp.int32))
 
 
 def _concrete(x: Any) -> np.ndarray | None:
@@ -207,12 +221,12 @@ def normalize(
     if bias is not None:
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be a float array, got {_shape(bias)}")
-        _check_broadcast(bias, "bias", b, hq, sq, sk)
+        bias = _dense_operand(bias, "bias", b, hq, sq, sk)
     attention_mask = _array(attention_mask, "attention_mask")
     if attention_mask is not None:
         if attention_mask.dtype != jnp.bool_:
             raise TypeError(f"attention_mask must be a bool array (True = attend), got {_shape(attention_mask)}")
-        _check_broadcast(attention_mask, "attention_mask", b, hq, sq, sk)
+        attention_mask = _dense_operand(attention_mask, "attention_mask", b, hq, sq, sk)
     softmax_aux = _array(softmax_aux, "softmax_aux")
     if softmax_aux is not None:
         if softmax_aux.shape != (hq,):
@@ -246,6 +260,19 @@ def normalize(
             if not jnp.issubdtype(x.dtype, jnp.integer):
                 raise TypeError(f"{n} must be an integer array, got {_shape(x)}")
         q_segment_ids, kv_segment_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+    # The kernels read a bias or mask of full [Sq, Sk] planes (batch and heads may broadcast). A
+    # mask over queries alone or keys alone, the same for every head (padding), becomes segment
+    # ids where the call has none: the kernels then read no mask and skip the hidden key tiles.
+    # Any other dimension of 1 is materialised; a bias's gradient is summed back by autodiff.
+    if (attention_mask is not None and attention_mask.shape[1] == 1 and 1 in attention_mask.shape[2:]
+            and q_segment_ids is None and cum_seqlens_q is None):
+        q_segment_ids, kv_segment_ids = _mask_as_segment_ids(attention_mask, b, sq, sk)
+        attention_mask = None
+    if attention_mask is not None:
+        attention_mask = jnp.broadcast_to(attention_mask, (*attention_mask.shape[:2], sq, sk))
+    if bias is not None:
+        bias = jnp.broadcast_to(bias, (*bias.shape[:2], sq, sk))
 
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
@@ -291,3 +318,20 @@ def normalize(
         dropout_prob=float(dropout_prob),
         deterministic=bool(deterministic),
     )
+
+
+def normalize_shapes(query: Any, key: Any, value: Any, **kwargs: Any) -> AttentionArgs:
+    """normalize's checks and result with every array as a jax.ShapeDtypeStruct, doing no
+    array work (a broadcast mask, converted ids): what choosing a platform and a config needs.
+    Checks of concrete values (cum_seqlens) wait for normalize itself."""
+    arrays = {name: x for name, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+    options = {name: x for name, x in kwargs.items() if name not in arrays}
+    traced: list[AttentionArgs] = []
+
+    def fields(query, key, value, arrays):
+        traced.append(normalize(query, key, value, **arrays, **options))
+        return {f.name: getattr(traced[0], f.name) for f in dataclasses.fields(AttentionArgs)
+                if hasattr(getattr(traced[0], f.name), "shape")}
+
+    shapes = jax.eval_shape(fields, query, key, value, arrays)
+    return dataclasses.replace(traced[0], **shapes)

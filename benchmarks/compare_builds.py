@@ -51,6 +51,10 @@ CASES = {
     "dropout_c128_4x4096": (4, 4096, 16, 128, dict(causal=True, dropout=0.1)),
     "dropout_c64_4x4096": (4, 4096, 32, 64, dict(causal=True, dropout=0.1)),
     "dropout_c256_4x4096": (4, 4096, 8, 256, dict(causal=True, dropout=0.1)),
+    "segments_c128_4x4096": (4, 4096, 16, 128, dict(causal=True, segments=4)),
+    "segments_n128_4x4096": (4, 4096, 16, 128, dict(segments=4)),
+    "segments_c64_4x4096": (4, 4096, 32, 64, dict(causal=True, segments=4)),
+    "segments_n64_4x4096": (4, 4096, 32, 64, dict(segments=4)),
 }
 
 

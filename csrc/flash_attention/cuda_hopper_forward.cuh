@@ -43,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -163,8 +164,9 @@ struct SmemLayout {
   static constexpr int kKvTileBytes = kColBlocks * kKvBlockBytes;
   static constexpr int kKvBytes = 2 * kStages * kKvTileBytes;
   static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
-  // Segment ids: the kv segment ids of each stage's key tile.
-  static constexpr int kSegmentBytes = Has(kFeature, Elementwise::kSegmentIds) ? kStages * kBlockN * 4 : 0;
+  // Segment ids: the kv segment ids of each stage's key tile, then per stage the smallest and
+  // largest of them over the tile's keys in the sequence.
+  static constexpr int kSegmentBytes = Has(kFeature, Elementwise::kSegmentIds) ? kStages * (kBlockN * 4 + 8) : 0;
   // A bias or mask tile per stage.
   using Dense = DenseTile<kFeature, kBlockM, kBlockN>;
   static constexpr bool kDense = Dense::kPresent;
@@ -194,6 +196,7 @@ struct SmemLayout {
   static constexpr int kBarrierOffset = kWarpStoreOffset + (kWarpStaging ? 4 * kWarpgroups * kWarpStoreBytes : 0);
   // q_full, q_empty per Q slot (two, used or not), then k_full, k_empty, v_full, v_empty per stage.
   static constexpr int kSegmentOffset = kBarrierOffset + kBarrierBytes;
+  static constexpr int kSegmentRangeOffset = kSegmentOffset + kStages * kBlockN * 4;
   static constexpr int kBytes = kSegmentOffset + kSegmentBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // the swizzle wants 1024-byte alignment
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockM <= 256, "tile");
@@ -910,9 +913,22 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
             const int* ids = p.kv_segment_ids + static_cast<int64_t>(batch) * p.seqlen_k;
             int* stage_ids = reinterpret_cast<int*>(smem_raw + (smem - SmemAddr(smem_raw)) + L::kSegmentOffset) +
                              s * kBlockN;
+            int smallest = INT_MAX, largest = INT_MIN;
             for (int i = lane; i < kBlockN; i += 32) {
               const int key = n * kBlockN + i;
-              stage_ids[i] = key < t.k_len ? __ldg(ids + key) : 0;
+              const int id = key < t.k_len ? __ldg(ids + key) : 0;
+              stage_ids[i] = id;
+              if (key < t.k_len) {
+                smallest = min(smallest, id);
+                largest = max(largest, id);
+              }
+            }
+            smallest = __reduce_min_sync(0xffffffffu, smallest);
+            largest = __reduce_max_sync(0xffffffffu, largest);
+            if (lane == 0) {
+              int* range = reinterpret_cast<int*>(smem_raw + (smem - SmemAddr(smem_raw)) + L::kSegmentRangeOffset) + 2 * s;
+              range[0] = smallest;
+              range[1] = largest;
             }
             if (!issuer) {  // lane 0 arrives with the transaction bytes below
               MbarArrive(v_full(s));
@@ -1133,22 +1149,33 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
             }
           }
         }
+        // With segment ids each key's id and position are tested, but in tiles that need no
+        // position test and whose keys hold one id that both of this thread's rows have (most
+        // tiles inside a document, or before padding). The ids and their range are in the shared
+        // memory of the stage that holds the tile (the caller waited for its V barrier).
         if constexpr (kSegments) {
-          // The tile's key ids, in the shared memory of the stage that holds it (the caller
-          // waited for its V barrier).
-          const uint32_t ids = smem + L::kSegmentOffset + stage * (kBlockN * 4) + 8 * t4;
+          int smallest, largest;
+          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                       : "=r"(smallest), "=r"(largest)
+                       : "r"(smem + L::kSegmentRangeOffset + 8 * stage)
+                       : "memory");
+          // (warp-uniform: a branch that ptxas cannot prove uniform costs registers)
+          if (__any_sync(0xffffffffu, masked || smallest != largest || smallest != q_segment[0] ||
+                                          smallest != q_segment[1])) {
+            const uint32_t ids = smem + L::kSegmentOffset + stage * (kBlockN * 4) + 8 * t4;
 #pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            int id0, id1;
-            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(id0), "=r"(id1) : "r"(ids + 32 * j) : "memory");
+            for (int j = 0; j < kBlockN / 8; ++j) {
+              int id0, id1;
+              asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(id0), "=r"(id1) : "r"(ids + 32 * j) : "memory");
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              int lo, hi;
-              visible_columns(r, &lo, &hi);
+              for (int r = 0; r < 2; ++r) {
+                int lo, hi;
+                visible_columns(r, &lo, &hi);
 #pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int col = 8 * j + c;
-                if (col >= hi || col < lo || (c ? id1 : id0) != q_segment[r]) s[4 * j + 2 * r + c] = -INFINITY;
+                for (int c = 0; c < 2; ++c) {
+                  const int col = 8 * j + c;
+                  if (col >= hi || col < lo || (c ? id1 : id0) != q_segment[r]) s[4 * j + 2 * r + c] = -INFINITY;
+                }
               }
             }
           }

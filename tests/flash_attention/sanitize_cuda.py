@@ -166,6 +166,16 @@ for dropout in (0.0, 0.2):
 
     jax.block_until_ready(jax.grad(row_summed_loss, argnums=(0, 1, 2, 3))(q, k, v, normal(1, 66, 64, 200)))
     calls += 1
+# A key padding mask (run as segment ids): key tiles of one id skip the per-key test.
+for head_dim in (64, 128):
+    q, k, v = (normal(2, 300, 4, head_dim) for _ in range(3))
+    padding = jnp.asarray(np.arange(300)[None, None, None, :] < np.array([300, 170])[:, None, None, None])
+
+    def padded_loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, attention_mask=padding, platform="cuda").astype(jnp.float32) ** 2)
+
+    jax.block_until_ready(jax.grad(padded_loss, argnums=(0, 1, 2))(q, k, v))
+    calls += 1
 # Not causal with more than 1024 keys: the 176-key d96 and d128 kernels (shorter calls take
 # 128-key tiles).
 for head_dim in (96, 128):

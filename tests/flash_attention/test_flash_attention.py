@@ -62,7 +62,8 @@ class Case:
     bias_dtype: str | None = None  # default: the input dtype
     bias_constant: bool = False  # no gradient taken for the bias (a call without dbias)
     mask: str | None = None  # broadcast form, like bias
-    segments: bool | str = False  # True: sorted ids (packed documents); "shuffled": ids in any order
+    # True: sorted ids (packed documents); "shuffled": ids in any order; "padding": key padding
+    segments: bool | str = False
     varlen: tuple | None = None  # a packed layout: VARLEN or VARLEN_TILES
     dropout: float = 0.0
     deterministic: bool = False
@@ -426,6 +427,12 @@ CASES = [
          q_heads=2, kv_heads=1, causal=True, soft_cap=5.0, segments=True),
     Case("tiles_segments_bf16_d128_gqa_sq>sk", dtype="bfloat16", batch=2, seq_q=710, seq_k=650, q_heads=6,
          kv_heads=2, head_dim=128, segments=True),
+    # Key padding as segment ids: most key tiles hold one id, the queries' (the kernels then
+    # test positions only), the tile at each row's length both.
+    Case("tiles_segments_padding_causal_bf16_d64_gqa", dtype="bfloat16", batch=3, seq_q=700, seq_k=650,
+         q_heads=4, kv_heads=2, causal=True, segments="padding"),
+    Case("tiles_segments_padding_deterministic_f16_d128", dtype="float16", batch=2, seq_q=530, seq_k=530,
+         q_heads=2, kv_heads=1, head_dim=128, segments="padding", deterministic=True),
     # With a bias (and its gradient) or a mask too; at d64 with a bias the backward reads the
     # query ids from global memory.
     Case("tiles_segments_bias_bf16_d64_gqa", dtype="bfloat16", batch=2, seq_q=400, seq_k=400, q_heads=4,
@@ -514,7 +521,13 @@ def make_inputs(case: Case, rng: np.random.Generator):
         arrays["softmax_aux"] = normal(case.q_heads, dt=jnp.float32)
     if case.varlen is not None:
         arrays["cum_seqlens_q"], arrays["cum_seqlens_k"] = (jnp.asarray(cu, jnp.int32) for cu in case.varlen[:2])
-    if case.segments:
+    if case.segments == "padding":
+        # A key padding mask as ids: each row's keys past a random length are hidden.
+        q_ids = np.zeros((batch, seq_q), np.int32)
+        kv_ids = np.arange(seq_k)[None, :] >= rng.integers(seq_k // 2, seq_k + 1, (batch, 1))
+        arrays["q_segment_ids"] = jnp.asarray(q_ids, jnp.int32)
+        arrays["kv_segment_ids"] = jnp.asarray(kv_ids, jnp.int32)
+    elif case.segments:
         # Segment 2 has queries but no keys, so its rows see nothing.
         q_ids = rng.integers(0, 4, (batch, seq_q))
         kv_ids = rng.choice([0, 1, 3], (batch, seq_k))

@@ -1159,7 +1159,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
                        : "=r"(smallest), "=r"(largest)
                        : "r"(smem + L::kSegmentRangeOffset + 8 * stage)
                        : "memory");
-          // (warp-uniform: a branch that ptxas cannot prove uniform costs registers)
+          // Decided per warp: a lane whose tile needed no test passes it unchanged.
           if (__any_sync(0xffffffffu, masked || smallest != largest || smallest != q_segment[0] ||
                                           smallest != q_segment[1])) {
             const uint32_t ids = smem + L::kSegmentOffset + stage * (kBlockN * 4) + 8 * t4;

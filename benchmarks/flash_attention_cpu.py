@@ -174,3 +174,47 @@ def save(rows: list[dict[str, Any]], name: str) -> Path:
         pass
     path.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
     return path
+
+
+def masked_rows(repeats: int = 5) -> list[dict[str, Any]]:
+    """Calls whose keys are partly hidden, ours against XLA (B=4, S=1024, H=8, D=64, float32):
+    a key padding mask (rows of 1024, 512, 600 and 300 keys; XLA gets the lengths as
+    key_value_seq_lengths) and causal segment ids of 4 equal documents (XLA gets the boolean
+    mask), with the unmasked and causal calls for scale."""
+    batch, seqlen = 4, 1024
+    q, k, v, g = _inputs(Case(seqlen=seqlen, batch=batch), seed=int(time.time_ns() % 2**31))
+    lengths = np.array([1024, 512, 600, 300])
+    padding = jnp.asarray(np.arange(seqlen)[None, None, None, :] < lengths[:, None, None, None])
+    ids = jnp.asarray(np.repeat(np.arange(4), seqlen // 4)[None].repeat(batch, 0), jnp.int32)
+    same_document = (ids[:, :, None] == ids[:, None, :])[:, None]
+    cases = {
+        "unmasked": (dict(), dict()),
+        "causal": (dict(causal=True), dict(is_causal=True)),
+        "key padding": (dict(attention_mask=padding), dict(key_value_seq_lengths=jnp.asarray(lengths, jnp.int32))),
+        "4 documents, causal": (dict(q_segment_ids=ids, kv_segment_ids=ids, causal=True),
+                                dict(mask=same_document, is_causal=True)),
+    }
+    rows = []
+    for name, (ours_kw, xla_kw) in cases.items():
+        ours = lambda q, k, v, kw=ours_kw: flash_attention(q, k, v, platform="cpu", **kw)  # noqa: E731
+        xla = lambda q, k, v, kw=xla_kw: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)  # noqa: E731
+        row = {"case": name, "max_abs_diff": float(jnp.max(jnp.abs(jax.jit(ours)(q, k, v) - jax.jit(xla)(q, k, v))))}
+        for label, fn in (("ours", ours), ("xla", xla)):
+            row[f"fwd_ms_{label}"] = _median_ms(jax.jit(fn), (q, k, v), repeats)
+            row[f"fwdbwd_ms_{label}"] = _median_ms(jax.jit(_fwd_bwd(fn)), (q, k, v, g), repeats)
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="CPU flash attention benchmarks (the full table: benchmarks/run.py)")
+    parser.add_argument("--masked", action="store_true", help="key padding and segment ids against XLA")
+    if parser.parse_args().masked:
+        rows = masked_rows()
+        print("| case | ours fwd / fwd+bwd ms | XLA fwd / fwd+bwd ms | max abs diff |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['case']} | {r['fwd_ms_ours']:.1f} / {r['fwdbwd_ms_ours']:.1f} | "
+                  f"{r['fwd_ms_xla']:.1f} / {r['fwdbwd_ms_xla']:.1f} | {r['max_abs_diff']:.1e} |")
+        print("saved", save(rows, "flash_attention_cpu_masked"))

@@ -244,6 +244,9 @@ void BackwardTask(const BackwardContext& c, int64_t task, BackwardScratch& s) {
       const int64_t pair = pb * c.kv_heads_per_task + ph;
       const int64_t kv_offset = ((b * Sk + j0) * Hkv + kvh) * D;
       bool loaded = false;
+      const bool segments = p.kv_segment_ids.present();
+      const cpu::IdRange key_ids = segments ? cpu::IdRangeOf(p.kv_segment_ids.ptr<int32_t>() + b * Sk + j0, nk)
+                                            : cpu::IdRange{};
       for (int64_t qb = 0; qb < c.num_q_blocks; ++qb) {
         if (c.block_lo[qb] >= j0 + nk || c.block_hi[qb] <= j0) continue;
         const int64_t i0 = qb * c.block_q, i1 = std::min(i0 + c.block_q, Sq);
@@ -255,6 +258,10 @@ void BackwardTask(const BackwardContext& c, int64_t task, BackwardScratch& s) {
           }
         }
         if (first >= last) continue;
+        // With segment ids, a query block that shares no id with the keys is skipped.
+        if (segments && key_ids.Misses(cpu::IdRangeOf(p.q_segment_ids.ptr<int32_t>() + b * Sq + first, last - first))) {
+          continue;
+        }
         if (!loaded) {
           cpu::LoadRows(p.k, kv_offset, Hkv * D, nk, D, s.kt.get(), Dp);
           cpu::LoadRowsTransposed(p.k, kv_offset, Hkv * D, nk, D, s.kT.get(), BKp, s.row.get());

@@ -411,6 +411,20 @@ inline Status CheckConfig(const CpuConfig& cfg) {
 
 // --- visibility -----------------------------------------------------------------------
 
+// The smallest and largest of n >= 1 segment ids. Two blocks whose ranges miss each other
+// share no id (no query of one sees a key of the other); two of the same single id need no
+// per-element test.
+struct IdRange {
+  int32_t lo, hi;
+  bool Misses(IdRange o) const { return hi < o.lo || o.hi < lo; }
+  bool SameSingleId(IdRange o) const { return lo == hi && o.lo == o.hi && lo == o.lo; }
+};
+
+inline IdRange IdRangeOf(const int32_t* ids, int64_t n) {
+  const auto [lo, hi] = std::minmax_element(ids, ids + n);
+  return {*lo, *hi};
+}
+
 // For every query row i (packed index with cu_seqlens): the keys [lo, hi) that causal,
 // window and sequence packing leave visible (in the batch row's key array), and whether the
 // row belongs to a sequence (rows past cu_seqlens_q[N] do not: no keys and no sink).

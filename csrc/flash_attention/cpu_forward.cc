@@ -95,8 +95,10 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
   }
   const bool segments = p.q_segment_ids.present();
   const int32_t* kv_seg = segments ? p.kv_segment_ids.ptr<int32_t>() + b * Sk : nullptr;
+  cpu::IdRange row_ids{};
   if (segments) {
     for (int64_t r = 0; r < BQp; ++r) s.seg[r] = r < nr ? p.q_segment_ids.ptr<int32_t>()[b * Sq + i0 + r] : 0;
+    row_ids = cpu::IdRangeOf(s.seg.data(), nr);
   }
 
   // The softmax scale (and 1 / cap) goes into Q^T once instead of into every logit.
@@ -126,6 +128,14 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
   key_rows(key_begin, std::min(c.block_k, key_end - key_begin), 1).Step();
   for (int64_t j0 = key_begin; j0 < key_end; j0 += c.block_k) {
     const int64_t nk = std::min(c.block_k, key_end - j0);
+    // With segment ids, a key tile that shares no id with the rows is skipped, and one whose
+    // keys and rows hold one id needs no id test.
+    bool test_ids = segments;
+    if (segments) {
+      const cpu::IdRange key_ids = cpu::IdRangeOf(kv_seg + j0, nk);
+      if (key_ids.Misses(row_ids)) continue;
+      test_ids = !key_ids.SameSingleId(row_ids);
+    }
     cpu::Prefetcher next = key_rows(j0 + nk, std::min(c.block_k, key_end - j0 - nk),
                                     cpu::MicroTileCount(nk, nvr) + cpu::MicroTileCount(D, nvr));
     const int64_t kv_offset = ((b * Sk + j0) * Hkv + kvh) * D;
@@ -165,13 +175,13 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
       float* col = st + v * kLanes;
       const VecF m_old = cpu::LoadF(m + v * kLanes);
       VecF m_new = m_old;
-      if (positional || segments) {
+      if (positional || test_ids) {
         const VecI lo = cpu::LoadI(s.lo.data() + v * kLanes), hi = cpu::LoadI(s.hi.data() + v * kLanes);
         const VecI seg = cpu::LoadI(s.seg.data() + v * kLanes);
         for (int64_t j = 0; j < nk; ++j) {
           const VecI key = cpu::SplatI(static_cast<int32_t>(j0 + j));
           VecI visible = (key >= lo) & (key < hi);
-          if (segments) visible &= seg == cpu::SplatI(kv_seg[j0 + j]);
+          if (test_ids) visible &= seg == cpu::SplatI(kv_seg[j0 + j]);
           const VecF x = cpu::Select(visible, cpu::LoadF(col + j * BQp), cpu::Splat(-kInf));
           cpu::StoreF(col + j * BQp, x);
           m_new = cpu::Max(m_new, x);

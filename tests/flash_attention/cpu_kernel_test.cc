@@ -116,6 +116,8 @@ struct Case {
   // Packed sequences (batch 1): per-sequence lengths; rows/keys past the sum are padding.
   std::vector<int32_t> seq_q, seq_k;
   bool segments = false;
+  // Segment ids in order (documents): blocks of one id, blocks of other documents' ids.
+  bool documents = false;
   bool dlse = false;
   double input_scale = 1.0;  // larger values sharpen the softmax
   CpuConfig cfg{16, 32, 2};
@@ -189,6 +191,20 @@ Tensors MakeInputs(const Case& c, std::mt19937& rng) {
     std::uniform_int_distribution<int> id(0, 2);
     for (int64_t i = 0; i < t.seg_q.size(); ++i) t.seg_q.Set(i, id(rng));
     for (int64_t i = 0; i < t.seg_kv.size(); ++i) t.seg_kv.Set(i, id(rng));
+    if (c.documents) {
+      // Document boundaries at random positions of each row; id 1 has queries but no keys.
+      for (HostTensor* ids : {&t.seg_q, &t.seg_kv}) {
+        const int64_t length = ids->size() / B;
+        std::uniform_int_distribution<int64_t> cut(0, length);
+        for (int64_t b = 0; b < B; ++b) {
+          int64_t first = cut(rng), second = cut(rng);
+          if (first > second) std::swap(first, second);
+          for (int64_t i = 0; i < length; ++i) {
+            ids->Set(b * length + i, i < first ? 0 : i < second ? (ids == &t.seg_q ? 1 : 2) : 2);
+          }
+        }
+      }
+    }
   }
   t.out = HostTensor(c.dtype, {B, Sq, c.q_heads, D});
   t.lse = HostTensor(DType::kF32, {B, c.q_heads, Sq});
@@ -525,6 +541,9 @@ std::vector<Case> Cases() {
   add("Packed", packed);
   add("PackedCausal", [&](Case& c) { packed(c); c.causal = true; });
   add("SegmentIds", [](Case& c) { c.segments = true; });
+  add("SegmentDocuments", [](Case& c) {
+    c.segments = c.documents = true; c.seqlen_q = 130; c.seqlen_k = 150; c.causal = true; c.kv_heads = 1;
+  });
   add("Dropout", [](Case& c) { c.dropout = 0.3f; });
   add("Dlse", [](Case& c) { c.dlse = true; });
   // Combined.

@@ -188,6 +188,9 @@ def _inputs(case: Case, rng: np.random.Generator):
 def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
     """The bias or mask, passed to every implementation as an argument (a closed-over array
     would be compiled in as a constant)."""
+    def shared_bias():  # [1, H, S, S], bf16
+        return jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16)
+
     if case.dense in ("bias", "bias_bh", "bias_f32"):
         rows = case.batch if case.dense == "bias_bh" else 1
         shape = (rows, case.heads, case.seqlen, case.seqlen)
@@ -198,12 +201,11 @@ def _dense_inputs(case: Case, rng: np.random.Generator) -> tuple:
         mask = jnp.asarray(np.arange(case.seqlen)[None, None, None, :] < lengths[:, None, None, None])
         if case.dense == "key_padding":
             return (mask,)
-        bias = jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16)
-        return bias, mask
+        return shared_bias(), mask
     if case.dense == "mask":
         return (jnp.asarray(rng.random((case.batch, 1, case.seqlen, case.seqlen)) > 0.1),)
     if case.dense in ("bias_mask", "bias_mask_rows"):
-        bias = jnp.asarray(rng.standard_normal((1, case.heads, case.seqlen, case.seqlen), np.float32), jnp.bfloat16)
+        bias = shared_bias()
         rows = case.batch if case.dense == "bias_mask_rows" else 1
         return bias, jnp.asarray(rng.random((rows, 1, case.seqlen, case.seqlen)) > 0.1)
     return ()

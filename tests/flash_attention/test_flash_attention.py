@@ -525,14 +525,13 @@ def make_inputs(case: Case, rng: np.random.Generator):
         # A key padding mask as ids: each row's keys past a random length are hidden.
         q_ids = np.zeros((batch, seq_q), np.int32)
         kv_ids = np.arange(seq_k)[None, :] >= rng.integers(seq_k // 2, seq_k + 1, (batch, 1))
-        arrays["q_segment_ids"] = jnp.asarray(q_ids, jnp.int32)
-        arrays["kv_segment_ids"] = jnp.asarray(kv_ids, jnp.int32)
     elif case.segments:
         # Segment 2 has queries but no keys, so its rows see nothing.
         q_ids = rng.integers(0, 4, (batch, seq_q))
         kv_ids = rng.choice([0, 1, 3], (batch, seq_k))
         if case.segments != "shuffled":
             q_ids, kv_ids = np.sort(q_ids, axis=1), np.sort(kv_ids, axis=1)
+    if case.segments:
         arrays["q_segment_ids"] = jnp.asarray(q_ids, jnp.int32)
         arrays["kv_segment_ids"] = jnp.asarray(kv_ids, jnp.int32)
     if case.dropout > 0:

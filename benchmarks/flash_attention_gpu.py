@@ -160,6 +160,9 @@ def extra_cases() -> list[Case]:
         Case("key_padding", 8, 2048, 16, 128, dense="key_padding"),
         Case("key_padding_d64", 8, 2048, 12, 64, dense="key_padding"),
         Case("dbias_key_padding_d64", 4, 4096, 32, 64, dense="bias_key_padding", dense_grad=True),
+        # The same with dropout (T5 in training on padded batches): segment ids, a bias, dropout.
+        Case("dropout_dbias_key_padding_d64", 4, 4096, 32, 64, dense="bias_key_padding", dense_grad=True,
+             dropout=0.1),
     ]
 
 

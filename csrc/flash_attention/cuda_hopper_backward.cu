@@ -26,6 +26,8 @@ extern template Status Launch<64>(const KernelParams&, bool, bool, int, cudaStre
 extern template Status LaunchSegments<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<64>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDenseDropout<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDenseDropout<64>(const KernelParams&, bool, bool, Elementwise, int,
+                                                      cudaStream_t);
 extern template Status LaunchDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<64>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -35,6 +37,8 @@ extern template Status Launch<96>(const KernelParams&, bool, bool, int, cudaStre
 extern template Status LaunchSegments<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<96>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDenseDropout<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDenseDropout<96>(const KernelParams&, bool, bool, Elementwise, int,
+                                                      cudaStream_t);
 extern template Status LaunchDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<96>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -44,6 +48,8 @@ extern template Status Launch<128>(const KernelParams&, bool, bool, int, cudaStr
 extern template Status LaunchSegments<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<128>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDenseDropout<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDenseDropout<128>(const KernelParams&, bool, bool, Elementwise, int,
+                                                      cudaStream_t);
 extern template Status LaunchDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchBiasF32<128>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
@@ -53,6 +59,8 @@ extern template Status Launch<192>(const KernelParams&, bool, bool, int, cudaStr
 extern template Status LaunchSegments<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<192>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDenseDropout<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDenseDropout<192>(const KernelParams&, bool, bool, Elementwise, int,
+                                                      cudaStream_t);
 extern template Status LaunchDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<192>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
@@ -61,6 +69,8 @@ extern template Status Launch<256>(const KernelParams&, bool, bool, int, cudaStr
 extern template Status LaunchSegments<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDropout<256>(const KernelParams&, bool, bool, int, cudaStream_t);
 extern template Status LaunchDenseDropout<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+extern template Status LaunchSegmentsDenseDropout<256>(const KernelParams&, bool, bool, Elementwise, int,
+                                                      cudaStream_t);
 extern template Status LaunchDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 extern template Status LaunchSegmentsDense<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
 #endif
@@ -288,14 +298,19 @@ Status LastLaunch(const char* what) {
 
 // Segment ids, a bias, a mask or dropout take their own kernels (compiled in
 // cuda_hopper_backward_segments_hdim*.cu, cuda_hopper_backward_dense_hdim*.cu,
-// cuda_hopper_backward_bias_f32_hdim*.cu, cuda_hopper_backward_dropout_hdim*.cu and
-// cuda_hopper_backward_dense_dropout_hdim*.cu).
+// cuda_hopper_backward_bias_f32_hdim*.cu, cuda_hopper_backward_dropout_hdim*.cu,
+// cuda_hopper_backward_dense_dropout_hdim*.cu and cuda_hopper_backward_segments_dense_dropout_hdim*.cu).
 template <int kHeadDim>
 Status LaunchHeadDim(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
                      cudaStream_t stream) {
   if (kp.dropout.seed != nullptr) {
-    if (feature != Elementwise::kNone) return LaunchDenseDropout<kHeadDim>(kp, f16, softcap, feature, batch, stream);
-    return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
+    if (feature == Elementwise::kNone) return LaunchDropout<kHeadDim>(kp, f16, softcap, batch, stream);
+    if (kp.q_segment_ids == nullptr) return LaunchDenseDropout<kHeadDim>(kp, f16, softcap, feature, batch, stream);
+    if constexpr (kSegmentIdsBuilt) {
+      return LaunchSegmentsDenseDropout<kHeadDim>(kp, f16, softcap, feature, batch, stream);
+    } else {
+      return FeatureNotBuilt("segment_ids");
+    }
   }
   if (Has(feature, Elementwise::kBiasF32)) {
     if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {

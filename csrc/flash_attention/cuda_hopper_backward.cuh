@@ -1249,32 +1249,46 @@ Status LaunchDropout(const KernelParams& kp, bool f16, bool softcap, int batch, 
 }
 
 // Dropout with `feature` (a bias, its gradient or not, read as float32 from head dim 64 to 128
-// where its dtype is not the query's, or a mask), without a soft cap or segment ids
-// (hopper::DropoutUnsupportedReason).
-template <int kHeadDim>
-Status LaunchDenseDropout(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
-                          cudaStream_t stream) {
-  if (softcap || kp.q_segment_ids != nullptr) {
-    return Status::Internal("hopper flash attention backward: no dropout kernel with a bias or mask and a soft cap "
-                            "or segment ids");
+// where its dtype is not the query's, or a mask) and kWith (segment ids, or nothing), without a
+// soft cap (hopper::DropoutUnsupportedReason).
+template <int kHeadDim, Elementwise kWith>
+Status LaunchDenseDropoutWith(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                              cudaStream_t stream) {
+  if (softcap) {
+    return Status::Internal("hopper flash attention backward: no dropout kernel with a bias or mask and a soft cap");
   }
+  constexpr Elementwise kDropoutWith = kWith | Elementwise::kDropout;
   switch (feature) {
-    case Elementwise::kMask: return LaunchDType<kHeadDim, false, Elementwise::kMaskDropout>(kp, f16, batch, stream);
-    case Elementwise::kBias: return LaunchDType<kHeadDim, false, Elementwise::kBiasDropout>(kp, f16, batch, stream);
+    case Elementwise::kMask: return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kMask>(kp, f16, batch, stream);
+    case Elementwise::kBias: return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBias>(kp, f16, batch, stream);
     case Elementwise::kBiasWithGrad:
-      return LaunchDType<kHeadDim, false, Elementwise::kBiasWithGradDropout>(kp, f16, batch, stream);
+      return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBiasWithGrad>(kp, f16, batch, stream);
     default: break;
   }
   if constexpr (kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128) {
     if (feature == Elementwise::kBiasF32) {
-      return LaunchDType<kHeadDim, false, Elementwise::kBiasF32Dropout>(kp, f16, batch, stream);
+      return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBiasF32>(kp, f16, batch, stream);
     }
     if (feature == Elementwise::kBiasF32WithGrad) {
-      return LaunchDType<kHeadDim, false, Elementwise::kBiasF32WithGradDropout>(kp, f16, batch, stream);
+      return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBiasF32WithGrad>(kp, f16, batch, stream);
     }
   }
   return Status::Internal("hopper flash attention backward: no dropout kernel for this bias at head_dim " +
                           std::to_string(kHeadDim));
+}
+
+// Instantiated per head dim in cuda_hopper_backward_dense_dropout_hdim*.cu.
+template <int kHeadDim>
+Status LaunchDenseDropout(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                          cudaStream_t stream) {
+  return LaunchDenseDropoutWith<kHeadDim, Elementwise::kNone>(kp, f16, softcap, feature, batch, stream);
+}
+
+// Instantiated per head dim in cuda_hopper_backward_segments_dense_dropout_hdim*.cu.
+template <int kHeadDim>
+Status LaunchSegmentsDenseDropout(const KernelParams& kp, bool f16, bool softcap, Elementwise feature, int batch,
+                                  cudaStream_t stream) {
+  return LaunchDenseDropoutWith<kHeadDim, Elementwise::kSegmentIds>(kp, f16, softcap, feature, batch, stream);
 }
 
 // `feature` (a bias, its gradient or not, or a mask) with kWith (segment ids, or nothing).

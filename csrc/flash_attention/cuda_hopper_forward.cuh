@@ -99,6 +99,11 @@ enum class Elementwise : unsigned {
   kBiasF32Dropout = kBiasF32 | kDropout,
   kBiasF32WithGradDropout = kBiasF32WithGrad | kDropout,
   kMaskDropout = kMask | kDropout,
+  kSegmentIdsBiasDropout = kSegmentIds | kBiasDropout,
+  kSegmentIdsBiasWithGradDropout = kSegmentIds | kBiasWithGradDropout,
+  kSegmentIdsBiasF32Dropout = kSegmentIds | kBiasF32Dropout,
+  kSegmentIdsBiasF32WithGradDropout = kSegmentIds | kBiasF32WithGradDropout,
+  kSegmentIdsMaskDropout = kSegmentIds | kMaskDropout,
 };
 constexpr Elementwise operator|(Elementwise a, Elementwise b) {
   return static_cast<Elementwise>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -1695,26 +1700,48 @@ Status LaunchDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStr
   return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kDropout>(args, cfg, stream);
 }
 
+// Dropout with kFeature (a bias or an attention mask, with or without segment ids). Segment ids
+// take the masked kernels whether or not a causal or window mask is on; no soft cap
+// (DropoutUnsupportedReason).
+template <int kHeadDim, Elementwise kFeature>
+Status LaunchDropoutFeature(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  if constexpr (Has(kFeature, Elementwise::kSegmentIds)) {
+    return LaunchDType<kHeadDim, true, false, kFeature>(args, cfg, stream);
+  } else {
+    return LaunchMaskedIfNeeded<kHeadDim, kFeature, false>(args, cfg, stream);
+  }
+}
+
 // Calls with dropout and a bias or an attention mask (both folded into one bias where needed;
-// a bias of another dtype than the query's read as float32, up to head dim 192), without a
-// soft cap or segment ids (DropoutUnsupportedReason); instantiated per head dim in
-// cuda_hopper_forward_dense_dropout_hdim*.cu.
-template <int kHeadDim>
-Status LaunchDenseDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+// a bias of another dtype than the query's read as float32, up to head dim 192), with kWith
+// (segment ids, or nothing), without a soft cap (DropoutUnsupportedReason).
+template <int kHeadDim, Elementwise kWith>
+Status LaunchDenseDropoutWith(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   const ForwardParams& p = args.p;
-  if (p.logits_soft_cap > 0.0f || p.q_segment_ids.present()) {
-    return Status::Internal("hopper flash attention: no dropout kernel with a bias or mask and a soft cap or "
-                            "segment ids");
+  if (p.logits_soft_cap > 0.0f) {
+    return Status::Internal("hopper flash attention: no dropout kernel with a bias or mask and a soft cap");
   }
   if (p.bias.present() && p.bias.dtype == DType::kF32) {
     if constexpr (kHeadDim <= 192) {
-      return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kBiasF32Dropout, false>(args, cfg, stream);
+      return LaunchDropoutFeature<kHeadDim, kWith | Elementwise::kBiasF32Dropout>(args, cfg, stream);
     } else {
       return Status::Internal("hopper flash attention: no float32 bias kernel at head_dim 256");
     }
   }
-  if (p.bias.present()) return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kBiasDropout, false>(args, cfg, stream);
-  return LaunchMaskedIfNeeded<kHeadDim, Elementwise::kMaskDropout, false>(args, cfg, stream);
+  if (p.bias.present()) return LaunchDropoutFeature<kHeadDim, kWith | Elementwise::kBiasDropout>(args, cfg, stream);
+  return LaunchDropoutFeature<kHeadDim, kWith | Elementwise::kMaskDropout>(args, cfg, stream);
+}
+
+// Instantiated per head dim in cuda_hopper_forward_dense_dropout_hdim*.cu.
+template <int kHeadDim>
+Status LaunchDenseDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  return LaunchDenseDropoutWith<kHeadDim, Elementwise::kNone>(args, cfg, stream);
+}
+
+// Instantiated per head dim in cuda_hopper_forward_segments_dense_dropout_hdim*.cu.
+template <int kHeadDim>
+Status LaunchSegmentsDenseDropout(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
+  return LaunchDenseDropoutWith<kHeadDim, Elementwise::kSegmentIds>(args, cfg, stream);
 }
 
 // Calls with segment ids and a bias or an attention mask (DenseUnsupportedReason); instantiated
@@ -1730,8 +1757,13 @@ Status LaunchSegmentsDense(const CudaForwardArgs& args, const CudaConfig& cfg, c
 template <int kHeadDim>
 Status Launch(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream) {
   if (args.p.dropout_prob > 0.0f) {
-    if (args.p.bias.present() || args.p.mask.present()) return LaunchDenseDropout<kHeadDim>(args, cfg, stream);
-    return LaunchDropout<kHeadDim>(args, cfg, stream);
+    if (!args.p.bias.present() && !args.p.mask.present()) return LaunchDropout<kHeadDim>(args, cfg, stream);
+    if (!args.p.q_segment_ids.present()) return LaunchDenseDropout<kHeadDim>(args, cfg, stream);
+    if constexpr (kSegmentIdsBuilt) {
+      return LaunchSegmentsDenseDropout<kHeadDim>(args, cfg, stream);
+    } else {
+      return FeatureNotBuilt("segment_ids");
+    }
   }
   // A bias of another dtype than the query's arrives here as float32 (folded where it was not).
   if (args.p.bias.present() && args.p.bias.dtype == DType::kF32) {

@@ -8,6 +8,8 @@ extern template Status LaunchSegments<128>(const CudaForwardArgs& args, const Cu
 extern template Status LaunchDropout<128>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDenseDropout<128>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
+extern template Status LaunchSegmentsDenseDropout<128>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                                      cudaStream_t stream);
 extern template Status LaunchSegmentsDense<128>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<128>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

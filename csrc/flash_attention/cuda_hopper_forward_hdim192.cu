@@ -8,6 +8,8 @@ extern template Status LaunchSegments<192>(const CudaForwardArgs& args, const Cu
 extern template Status LaunchDropout<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDenseDropout<192>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
+extern template Status LaunchSegmentsDenseDropout<192>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                                      cudaStream_t stream);
 extern template Status LaunchSegmentsDense<192>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<192>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

@@ -8,6 +8,8 @@ extern template Status LaunchSegments<256>(const CudaForwardArgs& args, const Cu
 extern template Status LaunchDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDenseDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
+extern template Status LaunchSegmentsDenseDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                                      cudaStream_t stream);
 extern template Status LaunchSegmentsDense<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                 cudaStream_t stream);
 extern template Status LaunchDense<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

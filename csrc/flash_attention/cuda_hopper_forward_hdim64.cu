@@ -8,6 +8,8 @@ extern template Status LaunchSegments<64>(const CudaForwardArgs& args, const Cud
 extern template Status LaunchDropout<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDenseDropout<64>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                               cudaStream_t stream);
+extern template Status LaunchSegmentsDenseDropout<64>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                                      cudaStream_t stream);
 extern template Status LaunchSegmentsDense<64>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
 extern template Status LaunchDense<64>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

@@ -8,6 +8,8 @@ extern template Status LaunchSegments<96>(const CudaForwardArgs& args, const Cud
 extern template Status LaunchDropout<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
 extern template Status LaunchDenseDropout<96>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                               cudaStream_t stream);
+extern template Status LaunchSegmentsDenseDropout<96>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                                      cudaStream_t stream);
 extern template Status LaunchSegmentsDense<96>(const CudaForwardArgs& args, const CudaConfig& cfg,
                                                cudaStream_t stream);
 extern template Status LaunchDense<96>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);

@@ -121,7 +121,6 @@ std::string BackwardDenseUnsupportedReason(const ForwardCall& c) {
 std::string DropoutUnsupportedReason(const ForwardCall& c) {
   if (!c.dropout || (!c.bias && !c.mask)) return "";
   if (c.soft_cap) return "dropout with a bias or an attention mask and a soft cap is not supported";
-  if (c.segment_ids) return "dropout with a bias or an attention mask and segment ids is not supported";
   return "";
 }
 

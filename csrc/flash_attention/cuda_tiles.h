@@ -168,7 +168,7 @@ std::string BackwardDenseUnsupportedReason(const ForwardCall& c);
 
 // Why the Hopper kernels (both directions) do not take this call's dropout, "" when they do (or
 // the call has none). With a bias or an attention mask they take it where they take the
-// operand (DenseUnsupportedReason), without a soft cap or segment ids.
+// operand (DenseUnsupportedReason), with or without segment ids, without a soft cap.
 std::string DropoutUnsupportedReason(const ForwardCall& c);
 
 // The visible keys' sides for the kernels: key j is visible to query i iff

@@ -126,13 +126,15 @@ TEST(HopperForwardTiles, DropoutWithABiasOrMask) {
     EXPECT_EQ(ForwardTiles(with), (Tiles{hopper::kTileDense}));  // the dense tile, not the per-element one
     with.head_dim = 256;
     EXPECT_EQ(ForwardTiles(with), (Tiles{hopper::kTileDenseNarrow}));
-    for (bool ForwardCall::*other : {&ForwardCall::soft_cap, &ForwardCall::segment_ids}) {
-      ForwardCall more = with;
-      more.*other = true;
-      EXPECT_NE(hopper::DropoutUnsupportedReason(more), "");
-      more.dropout = false;
-      EXPECT_EQ(hopper::DropoutUnsupportedReason(more), "");
-    }
+    ForwardCall segments = with;  // segment ids too (a key padding mask beside a bias)
+    segments.segment_ids = true;
+    EXPECT_EQ(hopper::DropoutUnsupportedReason(segments), "");
+    EXPECT_EQ(ForwardTiles(segments), (Tiles{hopper::kTileDenseNarrow}));
+    ForwardCall capped = with;
+    capped.soft_cap = true;
+    EXPECT_NE(hopper::DropoutUnsupportedReason(capped), "");
+    capped.dropout = false;
+    EXPECT_EQ(hopper::DropoutUnsupportedReason(capped), "");
   }
   ForwardCall f32 = Call(128, 4096, 4096);
   f32.dropout = f32.bias = f32.bias_f32 = true;  // a float32 bias: where the kernels read one

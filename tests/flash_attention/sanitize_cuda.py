@@ -166,16 +166,20 @@ for dropout in (0.0, 0.2):
 
     jax.block_until_ready(jax.grad(row_summed_loss, argnums=(0, 1, 2, 3))(q, k, v, normal(1, 66, 64, 200)))
     calls += 1
-# A key padding mask (run as segment ids): key tiles of one id skip the per-key test.
+# A key padding mask (run as segment ids): key tiles of one id skip the per-key test. Then with
+# a bias (its gradient too) and dropout: the kernels with segment ids, a bias and dropout.
 for head_dim in (64, 128):
     q, k, v = (normal(2, 300, 4, head_dim) for _ in range(3))
     padding = jnp.asarray(np.arange(300)[None, None, None, :] < np.array([300, 170])[:, None, None, None])
+    for bias, dropout in ((None, 0.0), (normal(1, 4, 300, 300), 0.2)):
+        def padded_loss(q, k, v, bias):
+            out = flash_attention(q, k, v, bias=bias, attention_mask=padding, dropout_prob=dropout, dropout_seed=4,
+                                  platform="cuda")
+            return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    def padded_loss(q, k, v):
-        return jnp.sum(flash_attention(q, k, v, attention_mask=padding, platform="cuda").astype(jnp.float32) ** 2)
-
-    jax.block_until_ready(jax.grad(padded_loss, argnums=(0, 1, 2))(q, k, v))
-    calls += 1
+        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+        jax.block_until_ready(jax.grad(padded_loss, argnums=argnums)(q, k, v, bias))
+        calls += 1
 # Not causal with more than 1024 keys: the 176-key d96 and d128 kernels (shorter calls take
 # 128-key tiles).
 for head_dim in (96, 128):

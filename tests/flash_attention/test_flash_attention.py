@@ -192,6 +192,20 @@ CASES = [
          deterministic=True),
     Case("tiles_dropout_deterministic_dbias_over_batch_causal_gqa_f16_d64", dtype="float16", batch=3, seq_q=200,
          seq_k=2100, q_heads=16, kv_heads=8, causal=True, bias="1H", dropout=0.15, deterministic=True),
+    # Dropout with segment ids and a bias or a mask on the Hopper kernels: a bias with a key
+    # padding mask (the mask becomes segment ids), ids in any order with a mask read as it is,
+    # a float32 bias, and a bias and a mask folded per batch row.
+    Case("tiles_dropout_segments_padding_bias_causal_bf16_d64_gqa", dtype="bfloat16", batch=3, seq_q=300,
+         seq_k=300, q_heads=4, kv_heads=2, causal=True, segments="padding", bias="1H", dropout=0.1),
+    Case("tiles_dropout_segments_shuffled_mask_deterministic_f16_d128_sq>sk", dtype="float16", batch=2,
+         seq_q=270, seq_k=192, q_heads=2, kv_heads=1, head_dim=128, segments="shuffled", mask="B1", dropout=0.2,
+         deterministic=True),
+    Case("tiles_dropout_segments_bias_f32_window_bf16_d96", dtype="bfloat16", batch=2, seq_q=259, seq_k=264,
+         q_heads=2, kv_heads=2, head_dim=96, window=(70, 9), segments=True, bias="BH", bias_dtype="float32",
+         dropout=0.25),
+    Case("tiles_dropout_segments_bias_mask_per_row_sinks_f16_d256", dtype="float16", batch=2, seq_q=200,
+         seq_k=200, q_heads=2, kv_heads=1, head_dim=256, sinks=True, segments=True, bias="1H", mask="B1",
+         dropout=0.15),
     # Head dims between built ones run on the next built head dim's kernels (80 -> 96, 40 -> 64,
     # 160 -> 192), which read the columns past the call's as zeros and store none of them.
     Case("tiles_d80_bf16_causal_gqa", dtype="bfloat16", batch=2, seq_q=300, seq_k=300, q_heads=4, kv_heads=2,

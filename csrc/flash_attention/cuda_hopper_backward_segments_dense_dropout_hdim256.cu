@@ -1,0 +1,11 @@
+// Hopper flash attention backward kernels for head dim 256 with dropout, segment ids and a bias
+// or an attention mask.
+#include "flash_attention/cuda_build_scope.h"
+
+#if EJK_FA_HEAD_DIM_ENABLED(256) && EJK_FA_FEATURE_ENABLED(segment_ids)
+#include "flash_attention/cuda_hopper_backward.cuh"
+
+namespace ejk::flash_attention::hopper_backward {
+template Status LaunchSegmentsDenseDropout<256>(const KernelParams&, bool, bool, Elementwise, int, cudaStream_t);
+}  // namespace ejk::flash_attention::hopper_backward
+#endif

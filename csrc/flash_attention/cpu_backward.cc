@@ -184,6 +184,7 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
     const VecI lo_v = cpu::SplatI(static_cast<int32_t>(lo)), hi_v = cpu::SplatI(static_cast<int32_t>(hi));
     const VecU row_key = cpu::SplatU(
         c.dropout ? DropoutRowKey(p.dropout_seed, static_cast<uint32_t>(b * Hq + h), static_cast<uint32_t>(i)) : 0u);
+    const VecU row_key_begin = cpu::SplatU(c.rows.key_begin[i]);
     // Columns past nk hold finite junk that no product reads, so only rows whose range
     // ends inside the tile need the range test.
     const bool partial = lo > j0 || hi < j0 + nk;
@@ -194,8 +195,8 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
       VecF dpv = cpu::LoadF(dsrow + v * kLanes);
       VecF kept = pv;
       if (c.dropout) {
-        const VecU hash = Fmix32(reinterpret_cast<VecU>(key) ^ row_key);
-        const VecF z = cpu::Select((hash >> 8) >= cpu::SplatU(c.dropout_threshold),
+        const VecU draw = DropoutDraw(row_key, reinterpret_cast<VecU>(key) - row_key_begin);
+        const VecF z = cpu::Select(draw >= cpu::SplatU(c.dropout_threshold),
                                    cpu::Splat(c.keep_scale), VecF{});
         kept = pv * z;
         dpv = dpv * z;

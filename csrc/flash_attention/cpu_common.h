@@ -431,6 +431,7 @@ inline IdRange IdRangeOf(const int32_t* ids, int64_t n) {
 // Segment ids and the mask are checked per element on top of this.
 struct RowRanges {
   std::vector<int32_t> lo, hi;
+  std::vector<uint32_t> key_begin;  // the row's sequence's first key (dropout hashes keys from it)
   std::vector<uint8_t> real;
 };
 
@@ -438,6 +439,7 @@ inline RowRanges ComputeRowRanges(const ForwardParams& p, const Dims& d) {
   RowRanges rr;
   rr.lo.assign(d.seqlen_q, 0);
   rr.hi.assign(d.seqlen_q, 0);
+  rr.key_begin.assign(d.seqlen_q, 0);
   rr.real.assign(d.seqlen_q, 0);
   const int32_t* cu_q = d.varlen ? p.cu_seqlens_q.ptr<int32_t>() : nullptr;
   const int32_t* cu_k = d.varlen ? p.cu_seqlens_k.ptr<int32_t>() : nullptr;
@@ -452,6 +454,7 @@ inline RowRanges ComputeRowRanges(const ForwardParams& p, const Dims& d) {
                       &lo, &hi);
       rr.lo[i] = static_cast<int32_t>(k_begin + lo);
       rr.hi[i] = static_cast<int32_t>(k_begin + hi);
+      rr.key_begin[i] = static_cast<uint32_t>(k_begin);
       rr.real[i] = 1;
     }
   }

@@ -35,7 +35,7 @@ struct ForwardContext {
 struct ForwardScratch {
   FloatBuffer qt, ot, st, kt, vt, row, m, l, alpha;
   std::vector<int32_t> lo, hi, seg;
-  std::vector<uint32_t> row_key;
+  std::vector<uint32_t> row_key, key_begin;
 
   explicit ForwardScratch(const ForwardContext& c)
       : qt(c.head_dim_padded * c.block_q_padded),
@@ -50,7 +50,8 @@ struct ForwardScratch {
         lo(c.block_q_padded),
         hi(c.block_q_padded),
         seg(c.block_q_padded),
-        row_key(c.block_q_padded) {}
+        row_key(c.block_q_padded),
+        key_begin(c.block_q_padded) {}
 };
 
 // x -> cap * tanh(x) (n a multiple of kLanes; the 1 / cap is folded into Q^T).
@@ -92,6 +93,7 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
     l[r] = has_sink ? 1.0f : 0.0f;
     s.row_key[r] = DropoutRowKey(p.dropout_seed, static_cast<uint32_t>(b * Hq + h),
                                  static_cast<uint32_t>(i0 + r));
+    s.key_begin[r] = in ? c.rows.key_begin[i0 + r] : 0u;
   }
   const bool segments = p.q_segment_ids.present();
   const int32_t* kv_seg = segments ? p.kv_segment_ids.ptr<int32_t>() + b * Sk : nullptr;
@@ -195,12 +197,13 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
       VecF sum{};
       if (c.dropout) {
         const VecU row_key = cpu::LoadU(s.row_key.data() + v * kLanes);
+        const VecU row_key_begin = cpu::LoadU(s.key_begin.data() + v * kLanes);
         const VecU threshold = cpu::SplatU(c.dropout_threshold);
         for (int64_t j = 0; j < nk; ++j) {
           const VecF e = cpu::Exp(cpu::LoadF(col + j * BQp) - ref);
           sum += e;
-          const VecU hash = Fmix32(cpu::SplatU(static_cast<uint32_t>(j0 + j)) ^ row_key);
-          cpu::StoreF(col + j * BQp, cpu::Select((hash >> 8) >= threshold, e, VecF{}));
+          const VecU draw = DropoutDraw(row_key, cpu::SplatU(static_cast<uint32_t>(j0 + j)) - row_key_begin);
+          cpu::StoreF(col + j * BQp, cpu::Select(draw >= threshold, e, VecF{}));
         }
       } else {
         for (int64_t j = 0; j < nk; ++j) {

@@ -686,18 +686,23 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     sc = kDropout ? pv * z : pv;
     dp = ds;
   };
-  // Dropout: the seed, and the element multiplier of (query, key row r of this thread) given
-  // the query's DropoutRowKey; queries and keys are local to the sequence, hashed as packed
-  // indices of the batch row.
+  // Dropout: the seed, each query's DropoutRowKey, and the element multipliers z[c][r] of
+  // (query c of a column pair, key row r of this thread); queries and keys are local to the
+  // sequence, queries hashed as packed indices of the batch row, keys as they are.
   const uint32_t dropout_seed = kDropout ? __ldg(p.dropout.seed) : 0u;
   const auto dropout_row_key = [&](uint32_t head_key, int query) {
     return DropoutRowKeyOfHead(head_key, static_cast<uint32_t>(q_begin + query));
   };
-  const auto dropout_z = [&](uint32_t row_key, int r) {
-    return DropoutKeepShifted(row_key, static_cast<uint32_t>(k_begin + n0 + key_row + 8 * r),
-                              p.dropout.shifted_threshold)
-               ? p.dropout.scale
-               : 0.0f;
+  // Keys key_row and key_row + 8 share a hash (DropoutKeepPair: key_row % 16 < 8).
+  const auto dropout_z = [&](const uint32_t (&row_keys)[2], float (&z)[2][2]) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      bool keep, keep_plus_8;
+      DropoutKeepPair(row_keys[c], static_cast<uint32_t>(n0 + key_row), p.dropout.shifted_threshold, keep,
+                      keep_plus_8);
+      z[c][0] = keep ? p.dropout.scale : 0.0f;
+      z[c][1] = keep_plus_8 ? p.dropout.scale : 0.0f;
+    }
   };
   // Whether key (of the block) is hidden from query (of the tile), for tiles on a mask
   // boundary, at the sequence end, or holding rows of other sequences (packed sequences: their
@@ -910,10 +915,10 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const float2 l2 = *reinterpret_cast<const float2*>(lse + q_col);
         const float2 d2 = *reinterpret_cast<const float2*>(delta + q_col);
         const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + q_col) : int2{};
-        uint32_t row_keys[2] = {0u, 0u};
+        float z[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
         if constexpr (kDropout) {
-          row_keys[0] = dropout_row_key(head_key, m0 + q_col);
-          row_keys[1] = dropout_row_key(head_key, m0 + q_col + 1);
+          const uint32_t row_keys[2] = {dropout_row_key(head_key, m0 + q_col), dropout_row_key(head_key, m0 + q_col + 1)};
+          dropout_z(row_keys, z);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -922,7 +927,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
             const int i = 4 * j + 2 * r + c;
             float dlogit;
             prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, kBiasAfterCap ? bias_after_cap[i] : 0.0f,
-                          kDropout ? dropout_z(row_keys[c], r) : 1.0f, dlogit);
+                          z[c][r], dlogit);
             if (masked && (hidden(n0 + key_row + 8 * r, m0 + q_col + c) | other_segment(c ? ids.y : ids.x, r) |
                            (kMask && !((shown >> i) & 1u)))) {
               sc[i] = dp[i] = dlogit = 0.0f;
@@ -1025,10 +1030,10 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t4);
         const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
         const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + 8 * j + 2 * t4) : int2{};
-        uint32_t row_keys[2] = {0u, 0u};
+        float z[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
         if constexpr (kDropout) {
-          row_keys[0] = dropout_row_key(head_key, m0 + 8 * j + 2 * t4);
-          row_keys[1] = dropout_row_key(head_key, m0 + 8 * j + 2 * t4 + 1);
+          const uint32_t row_keys[2] = {dropout_row_key(head_key, m0 + 8 * j + 2 * t4), dropout_row_key(head_key, m0 + 8 * j + 2 * t4 + 1)};
+          dropout_z(row_keys, z);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -1062,7 +1067,7 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
               hidden_by_mask = shown == 0;
             }
             prob_and_grad(sc[i], dp[i], c ? l2.y : l2.x, c ? d2.y : d2.x, bias_after_cap,
-                          kDropout ? dropout_z(row_keys[c], r) : 1.0f, dlogit);
+                          z[c][r], dlogit);
             if (masked && (hidden(n0 + key_row + 8 * r, m0 + 8 * j + 2 * t4 + c) | other_segment(c ? ids.y : ids.x, r) |
                            hidden_by_mask)) {
               sc[i] = dp[i] = dlogit = 0.0f;

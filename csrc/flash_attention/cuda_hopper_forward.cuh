@@ -140,7 +140,7 @@ struct DenseOperand {
 };
 
 // What the kDropout kernels read (PrepareDropoutOperand): the seed (a device scalar, null
-// without dropout), DropoutThreshold << 8, 1 / (1 - p), and the batch index the hash gives the
+// without dropout), DropoutThreshold << 16, 1 / (1 - p), and the batch index the hash gives the
 // launch's first row (nonzero where a call runs one batch row at a time).
 struct DropoutOperand {
   const uint32_t* seed;
@@ -1011,7 +1011,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       }
     }
 
-    // Dropout: this thread's rows' part of the hash (DropoutRowKey), with packed indices.
+    // Dropout: this thread's rows' part of the hash (DropoutRowKey), with packed query indices.
     uint32_t dropout_row_key[2] = {0u, 0u};
     if constexpr (kDropout) {
       int head, batch;
@@ -1221,12 +1221,23 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
             for (int c = 0; c < 2; ++c) {
               const float e = Exp2(fmaf(s[4 * j + 2 * r + c], p.logit_scale, -base));
               sum += e;  // the softmax's sum is over every visible key; dropout acts on P only
-              if constexpr (kDropout) {
-                const uint32_t key = static_cast<uint32_t>(tl.k_begin + c0 + 8 * j + 2 * t4 + c);
-                s[4 * j + 2 * r + c] =
-                    DropoutKeepShifted(dropout_row_key[r], key, p.dropout.shifted_threshold) ? e : 0.0f;
-              } else {
-                s[4 * j + 2 * r + c] = e;
+              s[4 * j + 2 * r + c] = e;
+            }
+          }
+          if constexpr (kDropout) {
+            // Keys 8 apart (column blocks 2jj and 2jj + 1) share a hash (DropoutKeepPair); key
+            // indices are the sequence's, so every tile starts a group of 16.
+            static_assert(kBlockN % 16 == 0, "pairs of column blocks");
+            const uint32_t key0 = static_cast<uint32_t>(c0 + 2 * t4);
+#pragma unroll
+            for (int jj = 0; jj < kBlockN / 16; ++jj) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                bool keep, keep_plus_8;
+                DropoutKeepPair(dropout_row_key[r], key0 + 16 * jj + c, p.dropout.shifted_threshold, keep,
+                                keep_plus_8);
+                if (!keep) s[8 * jj + 2 * r + c] = 0.0f;
+                if (!keep_plus_8) s[8 * jj + 4 + 2 * r + c] = 0.0f;
               }
             }
           }

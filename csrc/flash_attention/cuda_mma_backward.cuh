@@ -232,7 +232,7 @@ __device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s,
     return ds;
   } else {
     const bool visible = (!check || LocalVisible(f, s, i, j)) && shown;
-    const int64_t qi = s.q_begin + i, kj = s.k_begin + j;
+    const int64_t qi = s.q_begin + i;
     float t = 0.0f, logit = raw_to_pk * f.scale;
     if (f.soft_cap > 0.0f) {
       t = tanhf(logit / f.soft_cap);
@@ -244,7 +244,7 @@ __device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s,
     if (f.dropout) {
       const uint32_t row_key =
           DropoutRowKey(seed, static_cast<uint32_t>(b * f.num_q_heads + h), static_cast<uint32_t>(qi));
-      z = DropoutKeep(row_key, static_cast<uint32_t>(kj), f.dropout_threshold) ? f.dropout_scale : 0.0f;
+      z = DropoutKeep(row_key, static_cast<uint32_t>(j), f.dropout_threshold) ? f.dropout_scale : 0.0f;
     }
     const float dlogit = p * (fmaf(dp_to_ds, z, -delta));
     raw_to_pk = p * z;

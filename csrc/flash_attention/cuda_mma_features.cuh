@@ -223,6 +223,7 @@ struct QueryRow {
   int32_t lo, hi;     // visible keys [lo, hi), absolute; lo == hi when none
   int32_t segment;    // q segment id (segments on)
   uint32_t dropout_key;
+  int32_t key_begin;  // the sequence's first key (dropout hashes keys by their index in it)
   bool real;          // in [0, Sq) and not padding
 };
 
@@ -234,6 +235,7 @@ __device__ __forceinline__ QueryRow MakeQueryRow(const FeatureArgs& f, int32_t b
   r.lo = 0;
   r.hi = 0;
   r.segment = 0;
+  r.key_begin = 0;
   r.dropout_key = 0;
   r.real = false;
   if (i >= f.seqlen_q) return r;
@@ -249,6 +251,7 @@ __device__ __forceinline__ QueryRow MakeQueryRow(const FeatureArgs& f, int32_t b
   r.hi = s.k_begin + static_cast<int32_t>(hi);
   if (f.q_segment != nullptr) r.segment = __ldg(f.q_segment + static_cast<int64_t>(b) * f.seqlen_q + i);
   if (f.dropout) {
+    r.key_begin = static_cast<int32_t>(s.k_begin);
     r.dropout_key = DropoutRowKey(__ldg(f.dropout_seed), static_cast<uint32_t>(b * f.num_q_heads + h),
                                   static_cast<uint32_t>(i));
   }
@@ -446,8 +449,9 @@ __device__ __forceinline__ void ApplyDropout(float (&p)[kN][4], const FeatureArg
   for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int32_t j = col0 + nt * 8 + (e & 1);
-      if (!DropoutKeep(rows[e >> 1].dropout_key, static_cast<uint32_t>(j), f.dropout_threshold)) p[nt][e] = 0.0f;
+      const QueryRow& row = rows[e >> 1];
+      const int32_t j = col0 + nt * 8 + (e & 1) - row.key_begin;
+      if (!DropoutKeep(row.dropout_key, static_cast<uint32_t>(j), f.dropout_threshold)) p[nt][e] = 0.0f;
     }
   }
 }

@@ -22,9 +22,10 @@
 // A negative window side means unbounded.
 //
 // Dropout keeps P[i, j] with probability 1 - p and scales it by 1 / (1 - p); whether an
-// element is kept is a pure function of (seed, batch * num_q_heads + head, i, j), with i and
-// j indices into the batch row's query and key arrays (for packed sequences: packed indices),
-// so forward and backward, and every platform, draw the same mask.
+// element is kept is a pure function of (seed, batch * num_q_heads + head, i, j), with i the
+// query's index in the batch row (for packed sequences: its packed index) and j the key's
+// index in its sequence (the batch row's without packed sequences), so forward and backward,
+// and every platform, draw the same mask (DropoutKeep below).
 #pragma once
 
 #include <cmath>
@@ -92,19 +93,33 @@ EJK_HOST_DEVICE uint32_t DropoutRowKey(uint32_t seed, uint32_t batch_head, uint3
   return DropoutRowKeyOfHead(DropoutHeadKey(seed, batch_head), query_index);
 }
 
-// Elements whose top 24 hash bits are below the threshold are dropped.
+// Each element draws 16 bits: keys j and j + 8 of each group of 16 (j % 16 < 8; j local to
+// the sequence, as above) share one hash, Fmix32(j ^ row key), j taking its low half and
+// j + 8 its high half, so that kernels whose threads hold keys 8 apart (the tensor cores'
+// fragments) hash once per two elements. An element whose draw is below the threshold is
+// dropped.
+template <typename U32>
+EJK_HOST_DEVICE U32 DropoutDraw(U32 row_key, U32 key_index) {
+  return (Fmix32((key_index & ~8u) ^ row_key) >> ((key_index & 8u) << 1)) & 0xffffu;
+}
+
+// p * 2^16, below 2^16 for p in [0, 1).
 inline uint32_t DropoutThreshold(float dropout_prob) {
-  return static_cast<uint32_t>(static_cast<double>(dropout_prob) * 16777216.0);
+  return static_cast<uint32_t>(static_cast<double>(dropout_prob) * 65536.0);
 }
 
 EJK_HOST_DEVICE bool DropoutKeep(uint32_t row_key, uint32_t key_index, uint32_t threshold) {
-  return (Fmix32(key_index ^ row_key) >> 8) >= threshold;
+  return DropoutDraw(row_key, key_index) >= threshold;
 }
 
-// DropoutKeep with the threshold moved into the hash's top 24 bits (threshold << 8, exact for
-// thresholds below 2^24): one comparison per element in the Hopper kernels' inner loops.
-EJK_HOST_DEVICE bool DropoutKeepShifted(uint32_t row_key, uint32_t key_index, uint32_t shifted_threshold) {
-  return Fmix32(key_index ^ row_key) >= shifted_threshold;
+// DropoutKeep of keys key_index and key_index + 8 of one row (key_index % 16 < 8) from their
+// one hash, against the threshold moved into the top 16 bits (threshold << 16): one
+// comparison per element in the Hopper kernels' inner loops.
+EJK_HOST_DEVICE void DropoutKeepPair(uint32_t row_key, uint32_t key_index, uint32_t shifted_threshold, bool& keep,
+                                     bool& keep_plus_8) {
+  const uint32_t hash = Fmix32(key_index ^ row_key);
+  keep = hash << 16 >= shifted_threshold;
+  keep_plus_8 = hash >= shifted_threshold;
 }
 
 }  // namespace ejk::flash_attention

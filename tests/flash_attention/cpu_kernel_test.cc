@@ -272,6 +272,7 @@ struct Reference {
 // the capped part), and whether the row belongs to a sequence.
 struct Row {
   bool real = true;
+  int64_t key_begin = 0;  // the sequence's first key
   std::vector<int64_t> keys;
   std::vector<double> logit, tanh;
 };
@@ -295,6 +296,7 @@ Row ReferenceRow(const Case& c, const Tensors& t, int64_t b, int64_t h, int64_t 
     }
     if (!row.real) return row;
   }
+  row.key_begin = k_begin;
   for (int64_t lj = 0; lj < k_len; ++lj) {
     const int64_t j = k_begin + lj;
     if (!KeyVisible(i - q_begin, lj, k_len - q_len, c.causal, c.window_left, c.window_right)) continue;
@@ -361,7 +363,8 @@ Reference ComputeReference(const Case& c, const Tensors& t, const HostTensor* gi
         for (size_t n = 0; n < row.keys.size(); ++n) {
           p[n] = std::exp(row.logit[n] - lse);
           if (c.dropout > 0.0f) {
-            z[n] = DropoutKeep(row_key, static_cast<uint32_t>(row.keys[n]), threshold) ? keep_scale : 0.0;
+            z[n] = DropoutKeep(row_key, static_cast<uint32_t>(row.keys[n] - row.key_begin), threshold) ? keep_scale
+                                                                                                     : 0.0;
           }
           const int64_t ko = ((b * Sk + row.keys[n]) * Hkv + kvh) * D;
           for (int64_t d = 0; d < D; ++d) r.out[qo + d] += p[n] * z[n] * t.v.Get(ko + d);
@@ -654,6 +657,36 @@ TEST(FlashAttentionCpuDeterminism, BackwardIndependentOfThreads) {
         EXPECT_TRUE(now[n] == first[n]) << names[n] << " differs with " << threads << " threads";
       }
     }
+  }
+}
+
+// The dropout hash's forms agree (the kernels' pair of keys 8 apart from one hash, against
+// the threshold in the top 16 bits, and the vector draw of the CPU kernel); the draws are 16
+// bits, kept at rate 1 - p.
+TEST(FlashAttentionDropoutHash, FormsAgreeAndKeepRate) {
+  std::mt19937 rng(1234);
+  for (float p : {0.1f, 0.5f, 0.93f}) {
+    const uint32_t threshold = DropoutThreshold(p), shifted = threshold << 16;
+    int64_t kept = 0, total = 0;
+    for (int row = 0; row < 64; ++row) {
+      const uint32_t row_key = DropoutRowKey(static_cast<uint32_t>(rng()), static_cast<uint32_t>(row), rng() % 4096);
+      const uint32_t base = static_cast<uint32_t>(rng() % 100000) * 16;
+      for (uint32_t key = base; key < base + 256; ++key) {
+        const bool keep = DropoutKeep(row_key, key, threshold);
+        EXPECT_LE(DropoutDraw(row_key, key), 0xffffu);
+        if (key % 16 < 8) {
+          bool pair_keep, pair_keep_plus_8;
+          DropoutKeepPair(row_key, key, shifted, pair_keep, pair_keep_plus_8);
+          EXPECT_EQ(pair_keep, keep) << key;
+          EXPECT_EQ(pair_keep_plus_8, DropoutKeep(row_key, key + 8, threshold)) << key;
+        }
+        const cpu::VecU draws = DropoutDraw(cpu::SplatU(row_key), cpu::SplatU(key));
+        EXPECT_EQ(draws[cpu::kLanes - 1], DropoutDraw(row_key, key)) << key;
+        kept += keep;
+        ++total;
+      }
+    }
+    EXPECT_NEAR(static_cast<double>(kept) / total, 1.0 - p, 0.01) << p;
   }
 }
 

@@ -32,7 +32,7 @@ def fmix32(x: Any) -> np.ndarray:
 
 
 def dropout_threshold(dropout_prob: float) -> int:
-    return int(float(np.float32(dropout_prob)) * 2**24)
+    return int(float(np.float32(dropout_prob)) * 2**16)
 
 
 def dropout_scale(dropout_prob: float) -> float:
@@ -41,14 +41,22 @@ def dropout_scale(dropout_prob: float) -> float:
 
 
 def dropout_keep_mask(seed: int, batch: int, num_q_heads: int, seqlen_q: int, seqlen_k: int,
-                      dropout_prob: float) -> np.ndarray:
-    """bool [batch, num_q_heads, seqlen_q, seqlen_k]: which probabilities dropout keeps."""
+                      dropout_prob: float, cum_seqlens_k=None) -> np.ndarray:
+    """bool [batch, num_q_heads, seqlen_q, seqlen_k]: which probabilities dropout keeps. Keys
+    are hashed by their index in their sequence (cum_seqlens_k: packed sequences); keys j and
+    j + 8 of each group of 16 share a hash, j its low 16 bits."""
     seed = np.uint32(int(seed) & 0xFFFFFFFF)
     batch_head = np.arange(batch * num_q_heads, dtype=np.uint32).reshape(batch, num_q_heads, 1, 1)
     i = np.arange(seqlen_q, dtype=np.uint32).reshape(1, 1, seqlen_q, 1)
-    j = np.arange(seqlen_k, dtype=np.uint32).reshape(1, 1, 1, seqlen_k)
+    j = np.arange(seqlen_k, dtype=np.int64)
+    if cum_seqlens_k is not None:
+        starts = np.asarray(cum_seqlens_k, np.int64)
+        j = j - starts[np.clip(np.searchsorted(starts, j, side="right") - 1, 0, len(starts) - 1)]
+    j = j.astype(np.uint32).reshape(1, 1, 1, seqlen_k)
     row_key = fmix32(i ^ fmix32(batch_head ^ fmix32(seed ^ np.uint32(DROPOUT_SALT))))
-    return (fmix32(j ^ row_key) >> np.uint32(8)) >= np.uint32(dropout_threshold(dropout_prob))
+    eight = np.uint32(8)
+    draw = (fmix32((j & ~eight) ^ row_key) >> ((j & eight) << np.uint32(1))) & np.uint32(0xFFFF)
+    return draw >= np.uint32(dropout_threshold(dropout_prob))
 
 
 def visibility(batch: int, num_q_heads: int, seqlen_q: int, seqlen_k: int, *, attention_mask=None,
@@ -152,7 +160,8 @@ def _prepare(query, key, value, bias, softmax_aux, attention_mask, cum_seqlens_q
         causal=causal, sliding_window=sliding_window)
     keep = None
     if dropout_prob > 0:
-        kept = dropout_keep_mask(int(np.asarray(dropout_seed)), batch, num_q_heads, seqlen_q, seqlen_k, dropout_prob)
+        kept = dropout_keep_mask(int(np.asarray(dropout_seed)), batch, num_q_heads, seqlen_q, seqlen_k, dropout_prob,
+                                 None if cum_seqlens_k is None else np.asarray(cum_seqlens_k))
         keep = jnp.asarray(np.where(kept, dropout_scale(dropout_prob), 0.0), compute_dtype)
 
     def cast(x):

@@ -1031,7 +1031,7 @@ def test_fmix32_known_values():
     assert int(fmix32(0)) == 0
     assert int(fmix32(1)) == 0x514E28B7
     assert int(fmix32(2)) == 0x30F4C306
-    assert dropout_threshold(0.5) == 2**23
+    assert dropout_threshold(0.5) == 2**15  # 16-bit draws
     assert dropout_threshold(0.0) == 0
 
 

@@ -76,12 +76,18 @@ def _dropout_row_keys(seed: Array, qi: Array, batch: int, kv_heads: int, group: 
     return _fmix32(rows ^ head_keys[..., None])
 
 
-def _dropout_multiplier(st: _Static, row_keys: Array, kj: Array, block_k: int) -> Array:
+def _dropout_multiplier(st: _Static, row_keys: Array, kj: Array, block_k: int, meta: dict) -> Array:
     """1 / (1 - p) where DropoutKeep holds for (row, key), 0 where the element is dropped."""
-    threshold = np.uint32(int(float(np.float32(st.dropout_prob)) * 2**24))
+    threshold = np.uint32(int(float(np.float32(st.dropout_prob)) * 2**16))
     scale = np.float32(1.0) / (np.float32(1.0) - np.float32(st.dropout_prob))
-    cols = (kj * block_k + jnp.arange(block_k, dtype=jnp.int32)).astype(jnp.uint32)
-    keep = (_fmix32(cols ^ row_keys[..., None]) >> 8) >= threshold
+    # Keys by their index in their sequence; DropoutDraw: keys j and j + 8 of each group of 16
+    # share a hash, j % 16 < 8 its low half.
+    if meta["k_local"] is not None:
+        cols = _at(meta["k_local"], kj).astype(jnp.uint32)
+    else:
+        cols = (kj * block_k + jnp.arange(block_k, dtype=jnp.int32)).astype(jnp.uint32)
+    draws = (_fmix32((cols & ~np.uint32(8)) ^ row_keys[..., None]) >> ((cols & 8) << 1)) & 0xFFFF
+    keep = draws >= threshold
     return jnp.where(keep, scale, np.float32(0.0))
 
 
@@ -175,7 +181,7 @@ def _forward(st: _Static, q, k, v, bias, aux, mask, meta, seed):
             alpha = jnp.exp(m - m_ref)
             l = alpha * l + p.sum(-1)
             if row_keys is not None:
-                p = p * _dropout_multiplier(st, row_keys, kj, block_k)
+                p = p * _dropout_multiplier(st, row_keys, kj, block_k, meta)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _at(v, kj), preferred_element_type=_F32, precision=_EXACT)
             return m_new, l, alpha[..., None] * acc + pv
 
@@ -221,7 +227,8 @@ def _backward(st: _Static, q, k, v, bias, aux, mask, meta, seed, out, lse, dout,
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", dob, vb, preferred_element_type=_F32, precision=_EXACT)
             p_dropped = p
             if st.dropout_prob > 0:
-                z = _dropout_multiplier(st, _dropout_row_keys(seed, qi, batch, kv_heads, group, block_q), kj, block_k)
+                z = _dropout_multiplier(st, _dropout_row_keys(seed, qi, batch, kv_heads, group, block_q), kj, block_k,
+                                     meta)
                 p_dropped, dp = p * z, dp * z
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_dropped.astype(dtype), dob, preferred_element_type=_F32, precision=_EXACT)
             ds = p * (dp - _at(delta, qi)[..., None])  # d loss / d logit (after soft cap and bias)
@@ -305,7 +312,7 @@ def _metadata(st: _Static, sq: int, sq_pad: int, sk_pad: int, block_q: int, bloc
     nq, nk = sq_pad // block_q, sk_pad // block_k
     rows = jnp.arange(sq_pad, dtype=jnp.int32)
     cols = jnp.arange(sk_pad, dtype=jnp.int32)
-    meta = {name: None for name in ("diag", "q_seq", "k_seq", "q_seg", "kv_seg", "k_blocks", "q_blocks")}
+    meta = {name: None for name in ("diag", "q_seq", "k_seq", "k_local", "q_seg", "kv_seg", "k_blocks", "q_blocks")}
     positional = st.causal or st.window_left >= 0 or st.window_right >= 0
     if cu_q is not None:
         n = cu_q.shape[0] - 1
@@ -315,6 +322,7 @@ def _metadata(st: _Static, sq: int, sq_pad: int, sk_pad: int, block_q: int, bloc
         k_seq = jnp.where(k_seq < n, k_seq, -2)
         meta["q_seq"], meta["k_seq"] = q_seq.reshape(nq, block_q), k_seq.reshape(nk, block_k)
         qs, ks = jnp.clip(q_seq, 0, n - 1), jnp.clip(k_seq, 0, n - 1)
+        meta["k_local"] = (cols - cu_k[ks]).reshape(nk, block_k)
         # Bottom-right alignment per sequence: the diagonal key of row i is i + (end_k - end_q).
         q_offset, k_offset = cu_k[qs + 1] - cu_q[qs + 1], cu_k[ks + 1] - cu_q[ks + 1]
         key_lo, key_hi, row_lo, row_hi = cu_k[qs], cu_k[qs + 1], cu_q[ks], cu_q[ks + 1]

@@ -917,7 +917,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + q_col) : int2{};
         float z[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
         if constexpr (kDropout) {
-          const uint32_t row_keys[2] = {dropout_row_key(head_key, m0 + q_col), dropout_row_key(head_key, m0 + q_col + 1)};
+          const uint32_t row_keys[2] = {dropout_row_key(head_key, m0 + q_col),
+                                        dropout_row_key(head_key, m0 + q_col + 1)};
           dropout_z(row_keys, z);
         }
 #pragma unroll
@@ -1032,7 +1033,8 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
         const int2 ids = kSegments ? *reinterpret_cast<const int2*>(q_ids + 8 * j + 2 * t4) : int2{};
         float z[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
         if constexpr (kDropout) {
-          const uint32_t row_keys[2] = {dropout_row_key(head_key, m0 + 8 * j + 2 * t4), dropout_row_key(head_key, m0 + 8 * j + 2 * t4 + 1)};
+          const uint32_t row_keys[2] = {dropout_row_key(head_key, m0 + 8 * j + 2 * t4),
+                                        dropout_row_key(head_key, m0 + 8 * j + 2 * t4 + 1)};
           dropout_z(row_keys, z);
         }
 #pragma unroll
@@ -1264,8 +1266,10 @@ Status LaunchDenseDropoutWith(const KernelParams& kp, bool f16, bool softcap, El
   }
   constexpr Elementwise kDropoutWith = kWith | Elementwise::kDropout;
   switch (feature) {
-    case Elementwise::kMask: return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kMask>(kp, f16, batch, stream);
-    case Elementwise::kBias: return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBias>(kp, f16, batch, stream);
+    case Elementwise::kMask:
+      return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kMask>(kp, f16, batch, stream);
+    case Elementwise::kBias:
+      return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBias>(kp, f16, batch, stream);
     case Elementwise::kBiasWithGrad:
       return LaunchDType<kHeadDim, false, kDropoutWith | Elementwise::kBiasWithGrad>(kp, f16, batch, stream);
     default: break;

@@ -4,6 +4,7 @@
 
 namespace ejk::flash_attention::hopper {
 #if EJK_FA_HEAD_DIM_ENABLED(256) && EJK_FA_FEATURE_ENABLED(segment_ids)
-template Status LaunchSegmentsDenseDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg, cudaStream_t stream);
+template Status LaunchSegmentsDenseDropout<256>(const CudaForwardArgs& args, const CudaConfig& cfg,
+                                                cudaStream_t stream);
 #endif
 }  // namespace ejk::flash_attention::hopper

@@ -3,14 +3,16 @@
     python3 benchmarks/compare_builds.py BASE NEW [--cases window,c128_32x512] [--rounds 3]
 
 BASE and NEW are libejkernel.so files or source trees; a source tree is first built with
-CMake and Ninja into <tree>/build/compare (CUDA for sm_90a, the flash attention head dims
-of --head-dims), both trees at once. Each build then times every case in a process of its
+CMake and Ninja into <tree>/build/compare (CUDA for --archs, default sm_90a, the flash
+attention head dims of --head-dims), both trees at once. Each build then times every case in a process of its
 own (the library is loaded once per process), BASE first in even rounds and NEW first in
 odd ones, so that the GPU's drift and the order fall on both. A case's time is the median
 of batches of calls (benchmarks/flash_attention_gpu.py); the table gives each build's
 range over the rounds and NEW / BASE of the medians. Run a build against itself to see the
 spread. Outputs of the same inputs are compared bitwise (a digest of the forward's
-output): a kernel change that should not move a bit says so here.
+output; the backward's dQ sums in no fixed order): a kernel change that should not move a
+bit says so here. `--archs 80` builds source trees for sm_80 only, which on a Hopper GPU runs the
+mma.sync kernels.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ CASES = {
     "segments_n128_4x4096": (4, 4096, 16, 128, dict(segments=4)),
     "segments_c64_4x4096": (4, 4096, 32, 64, dict(causal=True, segments=4)),
     "segments_n64_4x4096": (4, 4096, 32, 64, dict(segments=4)),
+    "key_padding_n128_8x2048": (8, 2048, 16, 128, dict(dense="key_padding")),
+    "key_padding_n64_8x2048": (8, 2048, 12, 64, dict(dense="key_padding")),
+    "dropout_n64_4x4096": (4, 4096, 32, 64, dict(dropout=0.1)),
+    "dropout_window_2x4096": (2, 4096, 16, 128, dict(causal=True, window=500, dropout=0.1)),
 }
 
 
@@ -70,29 +76,31 @@ def worker(names: list[str], backward: bool) -> None:
     for name in names:
         batch, seqlen, heads, head_dim, options = CASES[name]
         case = bench.Case(name, batch, seqlen, heads, head_dim, **options)
-        q, k, v, g, lengths = bench._inputs(case, np.random.default_rng(0))
+        rng = np.random.default_rng(0)
+        q, k, v, g, lengths = bench._inputs(case, rng)
+        dense = bench._dense_inputs(case, rng)
         forward = jax.jit(bench._ours(case, lengths))
-        out = np.asarray(forward(q, k, v).astype(jnp.float32))
+        out = np.asarray(forward(q, k, v, *dense).astype(jnp.float32))
         row = {
             "case": name,
             "digest": hashlib.sha1(out.tobytes()).hexdigest()[:16],
-            "fwd_ms": bench._time_ms(forward, (q, k, v), 0.3),
+            "fwd_ms": bench._time_ms(forward, (q, k, v, *dense), 0.3),
         }
         if backward:
             step = jax.jit(bench._fwd_bwd(bench._ours(case, lengths)))
-            row["fwd_bwd_ms"] = bench._time_ms(step, (q, k, v, g), 0.3)
+            row["fwd_bwd_ms"] = bench._time_ms(step, (q, k, v, g, *dense), 0.3)
         print(json.dumps(row), flush=True)
 
 
-def build(trees: list[Path], head_dims: str) -> None:
+def build(trees: list[Path], head_dims: str, archs: str, features: str) -> None:
     jobs = max(1, (os.cpu_count() or 2) // len(trees))
     procs = []
     for tree in trees:
         build_dir = tree / "build" / "compare"
         configure = [
             "cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-            "-DEJKERNEL_CUDA=ON", "-DEJKERNEL_CUDA_ARCHS=90a", f"-DEJKERNEL_CUDA_HEAD_DIMS={head_dims}",
-            "-DEJKERNEL_BUILD_TESTS=OFF",
+            "-DEJKERNEL_CUDA=ON", f"-DEJKERNEL_CUDA_ARCHS={archs}", f"-DEJKERNEL_CUDA_HEAD_DIMS={head_dims}",
+            f"-DEJKERNEL_CUDA_FEATURES={features}", "-DEJKERNEL_BUILD_TESTS=OFF",
         ]
         script = f"{shlex.join(configure)} && ninja -C {build_dir} -j {jobs} ejkernel"
         build_dir.parent.mkdir(exist_ok=True)
@@ -120,6 +128,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backward", action="store_true", help="time forward+backward too")
     parser.add_argument("--head-dims", default="64;128", help="head dims built for source trees")
+    parser.add_argument("--archs", default="90a", help="CUDA architectures built for source trees")
+    parser.add_argument("--features", default="", help="EJKERNEL_CUDA_FEATURES for source trees (default: all)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
@@ -133,7 +143,7 @@ def main() -> None:
         parser.error("BASE and NEW are required")
     trees = [p.resolve() for p in (args.base, args.new) if p.is_dir()]
     if trees:
-        build(trees, args.head_dims)
+        build(trees, args.head_dims, args.archs, args.features)
     sides = {"base": args.base.resolve(), "new": args.new.resolve()}
     rows: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):

@@ -215,14 +215,25 @@ __device__ __forceinline__ bool TileFullyVisible(const FeatureArgs& f, const Seq
   return true;
 }
 
+// The dropout multipliers (0 or 1 / (1 - p)) of keys j and j + 8 of a row (local, j % 16 < 8),
+// from one hash (DropoutKeepPair).
+__device__ __forceinline__ void DropoutPairMultipliers(const FeatureArgs& f, uint32_t row_key, int32_t j, float& z,
+                                                       float& z_plus_8) {
+  bool keep, keep_plus_8;
+  DropoutKeepPair(row_key, static_cast<uint32_t>(j), f.dropout_threshold << 16, keep, keep_plus_8);
+  z = keep ? f.dropout_scale : 0.0f;
+  z_plus_8 = keep_plus_8 ? f.dropout_scale : 0.0f;
+}
+
 // The gradient of one (query i, key j) element, local indices. In: raw = q.k, dp = dO.v,
-// and (kGeneral) the element's bias and mask/segment verdict (mma::ReadElements). Out: pk =
-// dropout(P) (for dV), ds = dL/d(scale * q.k) (for dK, dQ), and returns dL/d(logit) (for
-// dbias), all 0 where (i, j) is not visible.
+// and (kGeneral) the element's bias, mask/segment verdict (mma::ReadElements) and dropout
+// multiplier z (DropoutPairMultipliers; 1 without dropout). Out: pk = dropout(P) (for dV),
+// ds = dL/d(scale * q.k) (for dK, dQ), and returns dL/d(logit) (for dbias), all 0 where
+// (i, j) is not visible.
 template <bool kGeneral>
-__device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s, bool check, int32_t b, int32_t h,
-                                             int32_t i, int32_t j, float lse2, float delta, uint32_t seed, float bias,
-                                             bool shown, float& raw_to_pk, float& dp_to_ds) {
+__device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s, bool check, int32_t i, int32_t j,
+                                             float lse2, float delta, float z, float bias, bool shown,
+                                             float& raw_to_pk, float& dp_to_ds) {
   if constexpr (!kGeneral) {
     float p = exp2f(fmaf(raw_to_pk, f.scale_log2, -lse2));
     if (check && !LocalVisible(f, s, i, j)) p = 0.0f;
@@ -232,7 +243,6 @@ __device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s,
     return ds;
   } else {
     const bool visible = (!check || LocalVisible(f, s, i, j)) && shown;
-    const int64_t qi = s.q_begin + i;
     float t = 0.0f, logit = raw_to_pk * f.scale;
     if (f.soft_cap > 0.0f) {
       t = tanhf(logit / f.soft_cap);
@@ -240,12 +250,6 @@ __device__ __forceinline__ float ElementGrad(const FeatureArgs& f, const Seq& s,
     }
     logit += bias;
     const float p = visible ? exp2f(fmaf(logit, kLog2e, -lse2)) : 0.0f;
-    float z = 1.0f;
-    if (f.dropout) {
-      const uint32_t row_key =
-          DropoutRowKey(seed, static_cast<uint32_t>(b * f.num_q_heads + h), static_cast<uint32_t>(qi));
-      z = DropoutKeep(row_key, static_cast<uint32_t>(j), f.dropout_threshold) ? f.dropout_scale : 0.0f;
-    }
     const float dlogit = p * (fmaf(dp_to_ds, z, -delta));
     raw_to_pk = p * z;
     dp_to_ds = f.soft_cap > 0.0f ? dlogit * (1.0f - t * t) : dlogit;
@@ -387,6 +391,7 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
 
       const bool check = !TileFullyVisible(f, s, i0, C::kBlockQ, j0, C::kBlockK);
       const bool write_dbias = kGeneral && a.dbias != nullptr && half == 0;
+      const uint32_t head_key = kGeneral && f.dropout ? DropoutHeadKey(seed, static_cast<uint32_t>(b * Hq + h)) : 0u;
       // Query parts of the tile one after another, to keep S^T and dP^T small next to dK, dV.
 #pragma unroll 1
       for (int qp = 0; qp < C::kQParts; ++qp) {
@@ -425,14 +430,28 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
           }
         }
 
-                    const auto element_query = [&](int n, int e) { return qp * kPartRows + n * 8 + 2 * t4 + (e & 1); };
+        const auto element_query = [&](int n, int e) { return qp * kPartRows + n * 8 + 2 * t4 + (e & 1); };
         const auto element_key = [&](int e) { return kg * 16 + g + (e >> 1) * 8; };
         float bias[kNqp][4];
         bool shown[kNqp][4];
+        float z[kNqp][4];
         if constexpr (kGeneral) {
           mma::ReadElements<kNqp, false>(f, b, h, [&](int n, int e) {
             return make_int2(s.q_begin + i0 + element_query(n, e), s.k_begin + j0 + element_key(e));
           }, bias, shown);
+          // Elements e and e + 2 hold keys 8 apart, the first with (key % 16) < 8.
+#pragma unroll
+          for (int n = 0; n < kNqp; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              z[n][e] = z[n][e + 2] = 1.0f;
+              if (f.dropout) {
+                const uint32_t row_key =
+                    DropoutRowKeyOfHead(head_key, static_cast<uint32_t>(s.q_begin + i0 + element_query(n, e)));
+                DropoutPairMultipliers(f, row_key, j0 + element_key(e), z[n][e], z[n][e + 2]);
+              }
+            }
+          }
         }
 #pragma unroll
         for (int n = 0; n < kNqp; ++n) {
@@ -440,8 +459,9 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
           for (int e = 0; e < 4; ++e) {
             const int32_t qi = element_query(n, e), kj = element_key(e);
             const float dlogit =
-                ElementGrad<kGeneral>(f, s, check, b, h, i0 + qi, j0 + kj, stats[qi], stats[C::kBlockQ + qi], seed,
-                                      kGeneral ? bias[n][e] : 0.0f, kGeneral ? shown[n][e] : true, sc[n][e], dp[n][e]);
+                ElementGrad<kGeneral>(f, s, check, i0 + qi, j0 + kj, stats[qi], stats[C::kBlockQ + qi],
+                                      kGeneral ? z[n][e] : 1.0f, kGeneral ? bias[n][e] : 0.0f,
+                                      kGeneral ? shown[n][e] : true, sc[n][e], dp[n][e]);
             if constexpr (kGeneral) {
               // Every element inside the sequence, zeros included (the Hopper backward's rule).
               if (write_dbias && i0 + qi < s.q_len && j0 + kj < s.k_len) {
@@ -621,11 +641,14 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
   }
 
   float lse2[2], delta[2];
+  uint32_t row_keys[2] = {0u, 0u};  // dropout's, of this thread's two queries
+  const uint32_t head_key = kGeneral && f.dropout ? DropoutHeadKey(seed, static_cast<uint32_t>(b * Hq + h)) : 0u;
 #pragma unroll
   for (int e2 = 0; e2 < 2; ++e2) {
     const int32_t qi = warp * 16 + g + e2 * 8;
     lse2[e2] = INFINITY;
     delta[e2] = 0.0f;
+    if (kGeneral && f.dropout) row_keys[e2] = DropoutRowKeyOfHead(head_key, static_cast<uint32_t>(s.q_begin + i0 + qi));
     if (qi < q_valid) {
       const int64_t row = (static_cast<int64_t>(b) * Hq + h) * Sq + s.q_begin + i0 + qi;
       lse2[e2] = __ldg(a.lse2 + row);
@@ -656,18 +679,28 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
     const auto element_key = [&](int n, int e) { return n * 8 + 2 * t4 + (e & 1); };
     float bias[kNk][4];
     bool shown[kNk][4];
+    float z[kNk][4];
     if constexpr (kGeneral) {
       mma::ReadElements<kNk, true>(f, b, h, [&](int n, int e) {
         return make_int2(s.q_begin + i0 + element_query(e), s.k_begin + j0 + element_key(n, e));
       }, bias, shown);
+      // Fragments n and n + 1 (n even) hold keys 8 apart, the first with (key % 16) < 8.
+#pragma unroll
+      for (int n = 0; n < kNk; n += 2) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          z[n][e] = z[n + 1][e] = 1.0f;
+          if (f.dropout) DropoutPairMultipliers(f, row_keys[e >> 1], j0 + element_key(n, e), z[n][e], z[n + 1][e]);
+        }
+      }
     }
 #pragma unroll
     for (int n = 0; n < kNk; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        ElementGrad<kGeneral>(f, s, check, b, h, i0 + element_query(e), j0 + element_key(n, e), lse2[e >> 1],
-                              delta[e >> 1], seed, kGeneral ? bias[n][e] : 0.0f, kGeneral ? shown[n][e] : true,
-                              sc[n][e], dp[n][e]);
+        ElementGrad<kGeneral>(f, s, check, i0 + element_query(e), j0 + element_key(n, e), lse2[e >> 1],
+                              delta[e >> 1], kGeneral ? z[n][e] : 1.0f, kGeneral ? bias[n][e] : 0.0f,
+                              kGeneral ? shown[n][e] : true, sc[n][e], dp[n][e]);
       }
     }
     FragTimesRows<T, kNk / 2, kNd>(acc, dp, s_k, C::kStride, 0, lane);

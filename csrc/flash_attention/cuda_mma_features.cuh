@@ -30,7 +30,7 @@
 //       kCheckRange: test [lo, hi) (boundary tiles only); kGeneral: bias, mask, segments.
 //   MaskScores<kN>(s, rows, col0)   sets the elements outside [lo, hi) to -inf, leaving the
 //                                   others as they are (kernels that fold the scale elsewhere).
-//   ApplyDropout<kN>(p, f, rows, col0)  zeroes the dropped probabilities of such a fragment.
+//   ApplyDropout<kN>(p, f, rows, j0, tq)  zeroes the dropped probabilities of such a fragment.
 //
 // Logits are kept in log2 units (exp2f on the SFU); lse = (m + log2(l)) * ln(2).
 #pragma once
@@ -442,16 +442,40 @@ __device__ __forceinline__ void MaskScores(float (&s)[kN][4], const QueryRow (&r
   }
 }
 
+// j0: the tile's first key, absolute; tq: the thread's column pair (columns j0 + nt * 8 +
+// 2 tq + {0, 1}). Fragments nt and nt + 1 hold keys 8 apart, so a row whose sequence's keys
+// start a multiple of 16 before j0 hashes once per two elements (DropoutKeepPair); other
+// rows (packed sequences starting elsewhere) hash per element.
 template <int kN>
 __device__ __forceinline__ void ApplyDropout(float (&p)[kN][4], const FeatureArgs& f, const QueryRow (&rows)[2],
-                                             int32_t col0) {
+                                             int32_t j0, int tq) {
+  static_assert(kN % 2 == 0, "key tiles of whole groups of 16");
 #pragma unroll
-  for (int nt = 0; nt < kN; ++nt) {
+  for (int hh = 0; hh < 2; ++hh) {
+    const QueryRow& row = rows[hh];
+    const int32_t first = j0 - row.key_begin;  // the tile's first key, local to the sequence
+    if ((first & 15) == 0) {
+      const uint32_t shifted_threshold = f.dropout_threshold << 16;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const QueryRow& row = rows[e >> 1];
-      const int32_t j = col0 + nt * 8 + (e & 1) - row.key_begin;
-      if (!DropoutKeep(row.dropout_key, static_cast<uint32_t>(j), f.dropout_threshold)) p[nt][e] = 0.0f;
+      for (int np = 0; np < kN / 2; ++np) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          bool keep, keep_plus_8;
+          DropoutKeepPair(row.dropout_key, static_cast<uint32_t>(first + np * 16 + 2 * tq + c), shifted_threshold,
+                          keep, keep_plus_8);
+          if (!keep) p[2 * np][2 * hh + c] = 0.0f;
+          if (!keep_plus_8) p[2 * np + 1][2 * hh + c] = 0.0f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int32_t j = first + nt * 8 + 2 * tq + c;
+          if (!DropoutKeep(row.dropout_key, static_cast<uint32_t>(j), f.dropout_threshold)) p[nt][2 * hh + c] = 0.0f;
+        }
+      }
     }
   }
 }

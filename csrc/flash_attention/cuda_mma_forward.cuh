@@ -120,10 +120,11 @@ __device__ __forceinline__ void LoadRows(unsigned char* dst, const Element* src,
 
 template <typename Element, typename Cfg, bool kMasked, bool kGeneral>
 __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKernelArgs a) {
-  constexpr int kMT = Cfg::kMTiles, kNT = Cfg::kKeyTiles, kDT = Cfg::kDimTiles, kD = Cfg::kHeadDim;
+  constexpr int kMT = Cfg::kMTiles, kNT = Cfg::kKeyTiles, kDT = Cfg::kDimTiles;
   constexpr int kBQ = Cfg::kBlockQ, kBK = Cfg::kBlockK, kStages = Cfg::kStages, kRowBytes = Cfg::kRowBytes;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int32_t block_range[4];  // key_begin, key_end, lo_max, hi_min
+  // key_begin, key_end, lo_max, hi_min; the first row's sequence's first key
+  __shared__ int32_t block_range[5];
   __shared__ int2 row_bounds[kMasked && !kGeneral ? kBQ : 1];  // per row [lo, hi)
 
   const FeatureArgs& f = a.f;
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
   const int32_t h = bh % f.num_q_heads, b = bh / f.num_q_heads;
   const int32_t num_kv_heads = f.num_q_heads / f.group, kv_head = h / f.group;
   const int32_t Sq = f.seqlen_q, Sk = f.seqlen_k, i0 = tile * kBQ;
-  const int32_t D = f.head_dim;  // <= kD
+  const int32_t D = f.head_dim;  // <= Cfg::kHeadDim
   const int64_t q_stride = static_cast<int64_t>(f.num_q_heads) * D, kv_stride = static_cast<int64_t>(num_kv_heads) * D;
   const Element* q_head = static_cast<const Element*>(a.q) + (static_cast<int64_t>(b) * Sq * f.num_q_heads + h) * D;
   const int64_t kv_offset = (static_cast<int64_t>(b) * Sk * num_kv_heads + kv_head) * D;
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
       block_range[1] = INT_MIN;
       block_range[2] = 0;
       block_range[3] = INT_MAX;
+      block_range[4] = rows[0][0].key_begin;
     }
     __syncthreads();
     if (tq == 0) {
@@ -199,6 +201,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
     }
     __syncthreads();
     key_begin = block_range[0];
+    // Dropout: tiles start a multiple of 16 keys into the first row's sequence, so that its
+    // rows hash once per two elements (ApplyDropout); the keys added are masked.
+    if (kGeneral && f.dropout) key_begin = max(0, key_begin - ((key_begin - block_range[4]) & 15));
     key_end = block_range[1];
     lo_max = block_range[2];
     hi_min = block_range[3];
@@ -367,7 +372,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) ForwardKernel(const ForwardKern
         l[mt][hh] = fmaf(l[mt][hh], alpha[mt][hh], sum);
       }
       if constexpr (kGeneral) {
-        if (f.dropout) ApplyDropout<kNT>(s[mt], f, rows[mt], col0);
+        if (f.dropout) ApplyDropout<kNT>(s[mt], f, rows[mt], j0, tq);
       }
     }
     if (!__all_sync(0xffffffffu, unchanged)) {

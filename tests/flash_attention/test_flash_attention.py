@@ -223,6 +223,10 @@ CASES = [
          kv_heads=1, head_dim=232, causal=True, bias="1H", bias_dtype="float32", deterministic=True),
     Case("tiles_d112_bf16_varlen_bias", dtype="bfloat16", varlen=VARLEN_TILES, q_heads=2, kv_heads=1, head_dim=112,
          causal=True, bias="11"),
+    # Dropout on mma.sync with packed sequences whose keys start at multiples of 16 and
+    # elsewhere (rows hashing once per pair of keys and once per key) under a window.
+    Case("tiles_d64_f16_varlen_bias_dropout_window", dtype="float16", varlen=VARLEN_TILES, q_heads=2, kv_heads=1,
+         head_dim=64, window=(45, 7), bias="11", dropout=0.2),
     # A head dim that is not a multiple of 8 is zero-padded to one (36 -> 40) before the call.
     Case("tiles_d36_padded_bf16_soft_cap", dtype="bfloat16", batch=2, seq_q=131, seq_k=200, q_heads=2, kv_heads=1,
          head_dim=36, causal=True, soft_cap=5.0),

@@ -4,7 +4,8 @@ against one call per mapped element (jax.lax.map) and one call over the same bat
     python3 benchmarks/flash_attention_vmap.py          # cuda: 16 x [1, 1024, 16, 128] bf16
     python3 benchmarks/flash_attention_vmap.py cpu      # cpu: 8 x [1, 256, 4, 64] float32
 
-Causal forward, and forward+backward of a sum of squares; best of three rounds of calls.
+Causal forward, and forward+backward of a sum of squares; then forward+backward with sinks
+shared by the mapped elements (their gradient per element); best of three rounds of calls.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def main() -> None:
         direct = timed_ms(fn, q[:, 0], k[:, 0], v[:, 0], reps=reps)
         print(f"{platform} {name} {mapped} x [1, {seq}, {heads}, {head_dim}]: vmap {folded:.3f} ms, "
               f"one call per element {per_element:.3f} ms, batch {mapped} directly {direct:.3f} ms", flush=True)
+
+    sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    sink_grads = jax.grad(lambda q, k, v, a: jnp.sum(flash_attention(
+        q, k, v, causal=True, softmax_aux=a, platform=platform).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3))
+    folded = timed_ms(jax.vmap(sink_grads, (0, 0, 0, None)), q, k, v, sinks, reps=reps)
+    per_element = timed_ms(lambda q, k, v, a: jax.lax.map(lambda x: sink_grads(*x, a), (q, k, v)), q, k, v, sinks,
+                           reps=reps)
+    print(f"{platform} forward+backward, shared sinks: vmap {folded:.3f} ms, one call per element "
+          f"{per_element:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -1102,7 +1102,7 @@ def test_deterministic_backward_repeats_bitwise(impl, case: Case, rng):
 VMAP_CASES = [
     (Case("vmap_sinks", batch=1, seq_q=37, seq_k=50, causal=True, bias="1H", sinks=True), None, False, False),
     (Case("vmap_shared_sinks", seq_q=37, seq_k=50, bias="BH", sinks=True), {"query", "key", "value", "bias"},
-     True, False),
+     True, True),
     (Case("vmap_bias_per_row", seq_q=45, seq_k=70, causal=True, bias="BH"), None, True, True),
     (Case("vmap_shared_kv_and_bias", seq_q=40, seq_k=56, bias="1H", bias_constant=True, mask="1H", segments=True),
      {"query", "q_segment_ids", "kv_segment_ids"}, True, True),

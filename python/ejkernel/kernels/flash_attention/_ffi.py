@@ -182,6 +182,26 @@ def _unfold(x: Any, axis_size: int) -> Any:
     return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
 
 
+def _sink_grads(axis_size: int, in_batched: list[bool], args: list[Any], operands: int) -> jax.Array:
+    """The sinks' gradient of each of axis_size mapped backward calls (args as the backward
+    call's: q, k, v, out, dout, lse, dlse, *optional), [axis_size, heads] float32: a sink a
+    with lse_i = log(exp(a) + ...) and no value moves lse_i by exp(a - lse_i) and out_i by
+    -exp(a - lse_i) out_i, so d loss / d a = -sum_i exp(a - lse_i) (dout_i . out_i - dlse_i)
+    (semantics.h; rows with lse -inf see nothing)."""
+    def mapped(i):
+        return args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+
+    out, dout, lse = mapped(3), mapped(4), mapped(5)  # [n, batch, seq, heads, dim], [n, batch, heads, seq]
+    aux = args[7 + _AUX].astype(jnp.float32)
+    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(aux[:, None] - lse))
+    # One contraction (a reduction over the head dim alone ran ~10x slower on XLA CPU).
+    grad = -jnp.einsum("nbshd,nbshd,nbhs->nh", dout.astype(jnp.float32), out.astype(jnp.float32), weight,
+                       precision=jax.lax.Precision.HIGHEST)
+    if operands & _HAS_DLSE:
+        grad = grad + jnp.sum(weight * mapped(6), axis=(1, 3))
+    return grad
+
+
 # One function per static (which holds the call's shapes): bounded, so that a process seeing
 # many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
 # call runs once over the mapped elements' rows folded into its batch where that gives the
@@ -239,16 +259,18 @@ def _backward_call(static: _Static, operands: int):
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
         rows = [0, 1, 2, 3, 4, 5] + ([6] if operands & _HAS_DLSE else [])  # else dlse is a placeholder
-        # The gradients of the sinks and of a bias that the mapped elements share are sums over
-        # rows: one per element.
-        sums_rows = operands & _HAS_AUX or (wants_dbias and not in_batched[7 + _BIAS])
-        folded = None if sums_rows else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
+        # The gradient of a bias that the mapped elements share is a sum over rows, and vmap
+        # wants one per element: the kernel would have to see a copy of the bias per element.
+        shared_dbias = wants_dbias and not in_batched[7 + _BIAS]
+        folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
         if folded is None:
             return _map_sequentially(call, axis_size, in_batched, args)
         dq, dk, dv, dbias, daux = _backward_call(folded[0], operands)(*folded[1])
+        if operands & _HAS_AUX:  # shared sinks (mapped ones do not fold): the folded sum is split
+            daux = _sink_grads(axis_size, in_batched, args, operands)
         grads = (_unfold(dq, axis_size), _unfold(dk, axis_size), _unfold(dv, axis_size),
                  _unfold(dbias, axis_size) if wants_dbias else dbias, daux)
-        return grads, (True, True, True, wants_dbias, False)
+        return grads, (True, True, True, wants_dbias, bool(operands & _HAS_AUX))
 
     return call
 

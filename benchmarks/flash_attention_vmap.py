@@ -5,7 +5,8 @@ against one call per mapped element (jax.lax.map) and one call over the same bat
     python3 benchmarks/flash_attention_vmap.py cpu      # cpu: 8 x [1, 256, 4, 64] float32
 
 Causal forward, and forward+backward of a sum of squares; then forward+backward with sinks
-shared by the mapped elements (their gradient per element); best of three rounds of calls.
+shared by the mapped elements (their gradient per element), and of packed sequences (three
+per element and some padding); best of three rounds of calls.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def main() -> None:
     per_element = timed_ms(lambda q, k, v, a: jax.lax.map(lambda x: sink_grads(*x, a), (q, k, v)), q, k, v, sinks,
                            reps=reps)
     print(f"{platform} forward+backward, shared sinks: vmap {folded:.3f} ms, one call per element "
+          f"{per_element:.3f} ms", flush=True)
+
+    cu = jnp.asarray([0, seq * 3 // 8, seq * 5 // 8, seq * 15 // 16], jnp.int32)
+    packed_grads = jax.grad(lambda q, k, v: jnp.sum(flash_attention(
+        q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, platform=platform).astype(jnp.float32) ** 2),
+        argnums=(0, 1, 2))
+    folded = timed_ms(jax.vmap(packed_grads), q, k, v, reps=reps)
+    per_element = timed_ms(lambda q, k, v: jax.lax.map(lambda x: packed_grads(*x), (q, k, v)), q, k, v, reps=reps)
+    print(f"{platform} forward+backward, packed sequences: vmap {folded:.3f} ms, one call per element "
           f"{per_element:.3f} ms", flush=True)
 
 

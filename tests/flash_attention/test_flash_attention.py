@@ -1109,6 +1109,11 @@ VMAP_CASES = [
     (Case("vmap_shared_bias_grad", seq_q=40, seq_k=56, bias="11", window=(9, 4)),
      {"query", "key", "value"}, True, False),
     (Case("vmap_dropout", seq_q=40, seq_k=56, dropout=0.2), None, False, False),
+    # Packed sequences fold end to end along the sequence axis, each element's padding rows and
+    # keys in sequences of their own.
+    (Case("vmap_packed", varlen=VARLEN, causal=True, window=(12, 2), soft_cap=5.0), None, True, True),
+    (Case("vmap_packed_shared_kv", varlen=VARLEN, causal=True), {"query"}, True, True),
+    (Case("vmap_packed_sinks", varlen=VARLEN, sinks=True), {"query", "key", "value"}, False, False),
 ]
 
 

@@ -125,7 +125,7 @@ def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
 
 # Positions in _optional_operands' list of the operands a vmap rule looks at (the list follows
 # q, k, v in the forward; q, k, v, out, dout, lse, dlse in the backward).
-_BIAS, _MASK, _AUX, _SEG_Q, _SEG_KV = 0, 1, 2, 5, 6
+_BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV = 0, 1, 2, 3, 4, 5, 6
 
 
 def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
@@ -162,6 +162,53 @@ def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[boo
     if any(b and i not in handled for i, b in enumerate(in_batched)):
         return None
     return dataclasses.replace(static, signature=json.dumps(signature, sort_keys=True)), folded
+
+
+def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
+                   rows: list[int], stats: list[int], first_optional: int) -> tuple[_Static, list[Any]] | None:
+    """A vmapped call on packed sequences (batch 1) as one call over the mapped elements' rows
+    laid end to end: element n's sequences, then one sequence of its padding rows without keys
+    and one of its padding keys without rows (cum_seqlens start at 0, so padding is at the
+    end), so that each row sees what it saw alone. args[i] for i in `rows` is [1, seq, heads,
+    dim], for i in `stats` [1, heads, seq_q]. None with dropout (rows are hashed by packed
+    index), sinks (padding rows would see them) or a bias or mask (planes would have to be
+    made block-diagonal)."""
+    if static.dropout_prob > 0.0 or operands & (_HAS_AUX | _HAS_BIAS | _HAS_MASK):
+        return None
+    cu_q, cu_k = first_optional + _CU_Q, first_optional + _CU_K
+    if any(b and i not in {*rows, *stats, cu_q, cu_k} for i, b in enumerate(in_batched)):
+        return None
+
+    def mapped(i):
+        return args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+
+    folded = list(args)
+    for i in rows:
+        x = mapped(i)
+        folded[i] = x.reshape(1, axis_size * x.shape[2], *x.shape[3:])
+    for i in stats:
+        x = mapped(i)[:, 0]
+        folded[i] = x.transpose(1, 0, 2).reshape(1, x.shape[1], axis_size * x.shape[2])
+    sq, sk = args[rows[0]].shape[-3], args[rows[1]].shape[-3]
+    for i, length, queries in ((cu_q, sq, True), (cu_k, sk, False)):
+        cu = mapped(i)
+        start = jnp.arange(axis_size, dtype=jnp.int32)[:, None] * length
+        # The padding rows' sequence ends the element's rows; the padding keys' ends its keys.
+        padding = [start + length, start + length] if queries else [start + cu[:, -1:], start + length]
+        ends = jnp.concatenate([start + cu[:, 1:], *padding], axis=1).reshape(-1)
+        folded[i] = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    signature = {**json.loads(static.signature), "seqlen_q": axis_size * sq, "seqlen_k": axis_size * sk}
+    return dataclasses.replace(static, signature=json.dumps(signature, sort_keys=True)), folded
+
+
+def _unfold_packed(x: Any, axis_size: int) -> Any:
+    """[1, n * seq, ...] -> [n, 1, seq, ...]"""
+    return x.reshape(axis_size, 1, x.shape[1] // axis_size, *x.shape[2:])
+
+
+def _unfold_packed_stats(x: Any, axis_size: int) -> Any:
+    """[1, heads, n * seq] -> [n, 1, heads, seq]"""
+    return x.reshape(x.shape[1], axis_size, x.shape[2] // axis_size).transpose(1, 0, 2)[:, None]
 
 
 def _map_sequentially(fn, axis_size: int, in_batched: list[bool], args: list[Any]):
@@ -225,6 +272,11 @@ def _forward_call(static: _Static):
 
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
+        if static.operands & _HAS_CU_SEQLENS:
+            folded = _folded_packed(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], [], 3)
+            if folded is not None:
+                out, lse = _forward_call(folded[0])(*folded[1])
+                return (_unfold_packed(out, axis_size), _unfold_packed_stats(lse, axis_size)), (True, True)
         folded = _folded(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], 3)
         if folded is None:
             return _map_sequentially(call, axis_size, in_batched, args)
@@ -259,6 +311,14 @@ def _backward_call(static: _Static, operands: int):
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
         rows = [0, 1, 2, 3, 4, 5] + ([6] if operands & _HAS_DLSE else [])  # else dlse is a placeholder
+        if operands & _HAS_CU_SEQLENS:
+            folded = _folded_packed(static, operands, axis_size, list(in_batched), list(args), [0, 1, 2, 3, 4],
+                                    rows[5:], 7)
+            if folded is not None:
+                dq, dk, dv, dbias, daux = _backward_call(folded[0], operands)(*folded[1])
+                grads = (_unfold_packed(dq, axis_size), _unfold_packed(dk, axis_size), _unfold_packed(dv, axis_size),
+                         dbias, daux)
+                return grads, (True, True, True, False, False)
         # The gradient of a bias that the mapped elements share is a sum over rows, and vmap
         # wants one per element: the kernel would have to see a copy of the bias per element.
         shared_dbias = wants_dbias and not in_batched[7 + _BIAS]

@@ -128,6 +128,11 @@ def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
 _BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV = 0, 1, 2, 3, 4, 5, 6
 
 
+def _mapped(args: list[Any], in_batched: list[bool], axis_size: int, i: int) -> Any:
+    """args[i] with the mapped axis first: as it is where vmap maps it, else broadcast."""
+    return args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+
+
 def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
             rows: list[int], first_optional: int) -> tuple[_Static, list[Any]] | None:
     """A vmapped call as one call over axis_size * batch rows: the static and arguments, or
@@ -145,7 +150,7 @@ def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[boo
         per_row += [first_optional + _SEG_Q, first_optional + _SEG_KV]
     folded = list(args)
     for i in per_row:
-        x = args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+        x = _mapped(args, in_batched, axis_size, i)
         folded[i] = x.reshape(axis_size * batch, *x.shape[2:])
     dense = [(first_optional + _BIAS, _HAS_BIAS, "bias_shape"), (first_optional + _MASK, _HAS_MASK, "mask_shape")]
     for i, bit, key in dense:
@@ -179,9 +184,7 @@ def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: l
     if any(b and i not in {*rows, *stats, cu_q, cu_k} for i, b in enumerate(in_batched)):
         return None
 
-    def mapped(i):
-        return args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
-
+    mapped = functools.partial(_mapped, args, in_batched, axis_size)
     folded = list(args)
     for i in rows:
         x = mapped(i)
@@ -235,9 +238,7 @@ def _sink_grads(axis_size: int, in_batched: list[bool], args: list[Any], operand
     with lse_i = log(exp(a) + ...) and no value moves lse_i by exp(a - lse_i) and out_i by
     -exp(a - lse_i) out_i, so d loss / d a = -sum_i exp(a - lse_i) (dout_i . out_i - dlse_i)
     (semantics.h; rows with lse -inf see nothing)."""
-    def mapped(i):
-        return args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
-
+    mapped = functools.partial(_mapped, args, in_batched, axis_size)
     out, dout, lse = mapped(3), mapped(4), mapped(5)  # [n, batch, seq, heads, dim], [n, batch, heads, seq]
     aux = args[7 + _AUX].astype(jnp.float32)
     weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(aux[:, None] - lse))

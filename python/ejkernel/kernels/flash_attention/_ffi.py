@@ -386,9 +386,10 @@ def _attention_fn(static: _Static):
             _cotangent_like(dq, q, *inputs),
             _cotangent_like(dk, k, *inputs),
             _cotangent_like(dv, v, *inputs),
-            _cotangent_like(dbias.astype(bias.dtype), bias, *inputs) if wants_dbias else None,
+            # summed across shards in the kernel's float32 where it is a sum, then rounded once
+            _cotangent_like(dbias, bias, *inputs).astype(bias.dtype) if wants_dbias else None,
             None,
-            None if aux is None else _cotangent_like(daux.astype(aux.dtype), aux, *inputs),
+            None if aux is None else _cotangent_like(daux, aux, *inputs).astype(aux.dtype),
             None,
             None,
             None,

@@ -183,7 +183,11 @@ void TileGradients(const BackwardContext& c, BackwardScratch& s, int64_t b, int6
     const VecF row_lse = cpu::Splat(lse[i]), row_delta = cpu::Splat(delta[i]);
     const VecI lo_v = cpu::SplatI(static_cast<int32_t>(lo)), hi_v = cpu::SplatI(static_cast<int32_t>(hi));
     const VecU row_key = cpu::SplatU(
-        c.dropout ? DropoutRowKey(p.dropout_seed, static_cast<uint32_t>(b * Hq + h), static_cast<uint32_t>(i)) : 0u);
+        c.dropout ? DropoutRowKey(p.dropout_seed,
+                                  DropoutBatchHead(p.dropout_origin, static_cast<uint32_t>(Hq), static_cast<uint32_t>(b),
+                                                   static_cast<uint32_t>(h)),
+                                  static_cast<uint32_t>(i))
+                  : 0u);
     const VecU row_key_begin = cpu::SplatU(c.rows.key_begin[i]);
     // Columns past nk hold finite junk that no product reads, so only rows whose range
     // ends inside the tile need the range test.

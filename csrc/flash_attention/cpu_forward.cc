@@ -91,8 +91,10 @@ void ForwardBlock(const ForwardContext& c, int64_t b, int64_t h, int64_t i0, For
     const bool has_sink = sink && in && c.rows.real[i0 + r];
     m[r] = has_sink ? aux : -kInf;
     l[r] = has_sink ? 1.0f : 0.0f;
-    s.row_key[r] = DropoutRowKey(p.dropout_seed, static_cast<uint32_t>(b * Hq + h),
-                                 static_cast<uint32_t>(i0 + r));
+    s.row_key[r] = DropoutRowKey(
+        p.dropout_seed,
+        DropoutBatchHead(p.dropout_origin, static_cast<uint32_t>(Hq), static_cast<uint32_t>(b), static_cast<uint32_t>(h)),
+        static_cast<uint32_t>(i0 + r));
     s.key_begin[r] = in ? c.rows.key_begin[i0 + r] : 0u;
   }
   const bool segments = p.q_segment_ids.present();

@@ -55,13 +55,15 @@ Status CheckSupported(const ForwardParams& p, const Dims& dims) {
   return MmaSupports(p, dims);
 }
 
-StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, bool dropout) {
-  if (!dropout) return static_cast<const uint32_t*>(nullptr);
-  if (seed.element_count() != 1 ||
-      (seed.element_type() != ffi::DataType::U32 && seed.element_type() != ffi::DataType::S32)) {
-    return Status::InvalidArgument("dropout_seed must be one 32-bit integer");
-  }
-  return static_cast<const uint32_t*>(seed.untyped_data());
+// The seed on the device, and its origin words where the operand has them (DropoutBatchHead;
+// read by the kernels, not here: the host does not wait for the device).
+StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, ForwardParams* p) {
+  if (p->dropout_prob <= 0.0f) return static_cast<const uint32_t*>(nullptr);
+  EJK_RETURN_IF_ERROR(CheckDropoutSeedOperand(seed.element_count(), seed.element_type() == ffi::DataType::U32 ||
+                                                                        seed.element_type() == ffi::DataType::S32));
+  const auto* words = static_cast<const uint32_t*>(seed.untyped_data());
+  if (seed.element_count() == kDropoutSeedWithOrigin) p->dropout_origin = words + 1;
+  return words;
 }
 
 // Device workspace of a call: the handler's last result, sized from shapes and flags alone
@@ -104,7 +106,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                                       softmax_scale, causal, window_left,
                                                       window_right, logits_soft_cap, dropout_prob,
                                                       operands));
-  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, dropout_prob > 0.0f));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, &args.p));
   EJK_FFI_ASSIGN_OR_RETURN(args.p.out, ViewOf(*out, "out"));
   EJK_FFI_ASSIGN_OR_RETURN(args.p.lse, ViewOf(*lse, "lse"));
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateForward(args.p));
@@ -138,7 +140,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                                      softmax_scale, causal, window_left,
                                                      window_right, logits_soft_cap, dropout_prob,
                                                      operands));
-  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, dropout_prob > 0.0f));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, &p.fwd));
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd.out, ViewOf(out, "out"));
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd.lse, ViewOf(lse, "lse"));
   EJK_FFI_ASSIGN_OR_RETURN(p.dout, ViewOf(dout, "dout"));

@@ -836,8 +836,9 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     const uint32_t phase = (it / L::kStages) & 1;
     const int m0 = (m_lo + it % m_count) * kBlockM - q_begin;  // local to the sequence
     const uint32_t head_key =
-        kDropout ? DropoutHeadKey(dropout_seed, (p.dropout.first_batch + batch) * p.num_q_heads +
-                                                    static_cast<uint32_t>(kv_head * p.group + it / m_count))
+        kDropout ? DropoutHeadKey(dropout_seed,
+                                  DropoutBatchHead(p.dropout.origin, p.num_q_heads, p.dropout.first_batch + batch,
+                                                   static_cast<uint32_t>(kv_head * p.group + it / m_count)))
                  : 0u;
     if constexpr (kSplitQueries) {
       // S^T and dP^T for the block's 64 keys x this warpgroup's 32 queries.

@@ -182,6 +182,7 @@ Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, int64
   const bool on = p.dropout_prob > 0.0f;
   if (on && seed == nullptr) return Status::InvalidArgument("hopper flash attention: dropout needs the seed");
   dropout->seed = on ? seed : nullptr;
+  dropout->origin = on ? p.dropout_origin : nullptr;
   dropout->shifted_threshold = on ? DropoutThreshold(p.dropout_prob) << 16 : 0u;
   dropout->scale = on ? 1.0f / (1.0f - p.dropout_prob) : 1.0f;
   dropout->first_batch = static_cast<uint32_t>(first_batch);

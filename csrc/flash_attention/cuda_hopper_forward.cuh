@@ -140,10 +140,12 @@ struct DenseOperand {
 };
 
 // What the kDropout kernels read (PrepareDropoutOperand): the seed (a device scalar, null
-// without dropout), DropoutThreshold << 16, 1 / (1 - p), and the batch index the hash gives the
+// without dropout), the origin words of a call that is part of a larger one (DropoutBatchHead,
+// else null), DropoutThreshold << 16, 1 / (1 - p), and the batch index the hash gives the
 // launch's first row (nonzero where a call runs one batch row at a time).
 struct DropoutOperand {
   const uint32_t* seed;
+  const uint32_t* origin;
   uint32_t shifted_threshold;
   float scale;
   uint32_t first_batch;
@@ -1019,8 +1021,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       const uint32_t seed = __ldg(p.dropout.seed);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        dropout_row_key[r] = DropoutRowKey(seed, (p.dropout.first_batch + batch) * p.num_q_heads + head,
-                                           static_cast<uint32_t>(tl.q_begin + row0 + 8 * r));
+        dropout_row_key[r] = DropoutRowKey(
+            seed, DropoutBatchHead(p.dropout.origin, p.num_q_heads, p.dropout.first_batch + batch, head),
+            static_cast<uint32_t>(tl.q_begin + row0 + 8 * r));
       }
     }
 

@@ -391,7 +391,10 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
 
       const bool check = !TileFullyVisible(f, s, i0, C::kBlockQ, j0, C::kBlockK);
       const bool write_dbias = kGeneral && a.dbias != nullptr && half == 0;
-      const uint32_t head_key = kGeneral && f.dropout ? DropoutHeadKey(seed, static_cast<uint32_t>(b * Hq + h)) : 0u;
+      const uint32_t head_key =
+          kGeneral && f.dropout ? DropoutHeadKey(seed, DropoutBatchHead(f.dropout_origin, static_cast<uint32_t>(Hq),
+                                                                        static_cast<uint32_t>(b), static_cast<uint32_t>(h)))
+                                : 0u;
       // Query parts of the tile one after another, to keep S^T and dP^T small next to dK, dV.
 #pragma unroll 1
       for (int qp = 0; qp < C::kQParts; ++qp) {
@@ -642,7 +645,10 @@ __global__ void __launch_bounds__(DqTile<kD>::kThreads, 2) DqKernel(const Kernel
 
   float lse2[2], delta[2];
   uint32_t row_keys[2] = {0u, 0u};  // dropout's, of this thread's two queries
-  const uint32_t head_key = kGeneral && f.dropout ? DropoutHeadKey(seed, static_cast<uint32_t>(b * Hq + h)) : 0u;
+  const uint32_t head_key =
+      kGeneral && f.dropout ? DropoutHeadKey(seed, DropoutBatchHead(f.dropout_origin, static_cast<uint32_t>(Hq),
+                                                                    static_cast<uint32_t>(b), static_cast<uint32_t>(h)))
+                            : 0u;
 #pragma unroll
   for (int e2 = 0; e2 < 2; ++e2) {
     const int32_t qi = warp * 16 + g + e2 * 8;

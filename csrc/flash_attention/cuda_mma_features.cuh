@@ -80,6 +80,7 @@ struct FeatureArgs {
   DType sink_dtype = DType::kF32;
   bool dropout = false;
   const uint32_t* dropout_seed = nullptr;  // device scalar
+  const uint32_t* dropout_origin = nullptr;  // device words, or null (DropoutBatchHead)
   uint32_t dropout_threshold = 0;
   float dropout_scale = 1.0f;  // 1 / (1 - p)
 };
@@ -125,6 +126,7 @@ inline FeatureArgs MakeFeatureArgs(const ForwardParams& p, const Dims& d, const 
   if (p.dropout_prob > 0.0f) {
     f.dropout = true;
     f.dropout_seed = dropout_seed;
+    f.dropout_origin = p.dropout_origin;
     f.dropout_threshold = DropoutThreshold(p.dropout_prob);
     f.dropout_scale = 1.0f / (1.0f - p.dropout_prob);
   }
@@ -252,8 +254,11 @@ __device__ __forceinline__ QueryRow MakeQueryRow(const FeatureArgs& f, int32_t b
   if (f.q_segment != nullptr) r.segment = __ldg(f.q_segment + static_cast<int64_t>(b) * f.seqlen_q + i);
   if (f.dropout) {
     r.key_begin = static_cast<int32_t>(s.k_begin);
-    r.dropout_key = DropoutRowKey(__ldg(f.dropout_seed), static_cast<uint32_t>(b * f.num_q_heads + h),
-                                  static_cast<uint32_t>(i));
+    r.dropout_key = DropoutRowKey(
+        __ldg(f.dropout_seed),
+        DropoutBatchHead(f.dropout_origin, static_cast<uint32_t>(f.num_q_heads), static_cast<uint32_t>(b),
+                         static_cast<uint32_t>(h)),
+        static_cast<uint32_t>(i));
   }
   return r;
 }

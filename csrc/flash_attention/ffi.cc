@@ -3,7 +3,6 @@
 // Optional operands travel as zero-element placeholders; the `operands` attribute says
 // which are real (OperandFlag bits), so absent ones become absent TensorViews.
 #include <cstdint>
-#include <cstring>
 
 #include "flash_attention/ffi_common.h"
 #include "flash_attention/params.h"
@@ -35,15 +34,23 @@ Status CheckCpuConfig(const CpuConfig& cfg) {
   return Status::Ok();
 }
 
-StatusOr<uint32_t> ReadSeed(const ffi::AnyBuffer& seed, bool dropout) {
-  if (!dropout) return 0u;
-  if (seed.element_count() != 1 ||
-      (seed.element_type() != ffi::DataType::U32 && seed.element_type() != ffi::DataType::S32)) {
-    return Status::InvalidArgument("dropout_seed must be one 32-bit integer");
+// The seed, and where the operand has them its origin words (DropoutBatchHead), checked
+// against the call's heads: a part must lie inside the call it is a part of.
+Status ReadSeed(const ffi::AnyBuffer& seed, ForwardParams* p) {
+  if (p->dropout_prob <= 0.0f) return Status::Ok();
+  EJK_RETURN_IF_ERROR(CheckDropoutSeedOperand(seed.element_count(), seed.element_type() == ffi::DataType::U32 ||
+                                                                        seed.element_type() == ffi::DataType::S32));
+  const auto* words = static_cast<const uint32_t*>(seed.untyped_data());
+  p->dropout_seed = words[0];
+  if (seed.element_count() == kDropoutSeedWithOrigin) {
+    const uint64_t heads = static_cast<uint64_t>(p->q.dim(2));
+    if (words[3] < heads || words[2] > words[3] - heads) {
+      return Status::InvalidArgument("dropout_seed: the part's first q head " + std::to_string(words[2]) + " and " +
+                                     std::to_string(heads) + " heads exceed the call's " + std::to_string(words[3]));
+    }
+    p->dropout_origin = words + 1;
   }
-  uint32_t value;
-  std::memcpy(&value, seed.untyped_data(), sizeof(value));
-  return value;
+  return Status::Ok();
 }
 
 ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
@@ -61,7 +68,7 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                                                  cu_seqlens_k, q_segment_ids, kv_segment_ids,
                                                  softmax_scale, causal, window_left, window_right,
                                                  logits_soft_cap, dropout_prob, operands));
-  EJK_FFI_ASSIGN_OR_RETURN(p.dropout_seed, ReadSeed(dropout_seed, dropout_prob > 0.0f));
+  if (Status s = ReadSeed(dropout_seed, &p); !s.ok()) return ToFfiError(s);
   EJK_FFI_ASSIGN_OR_RETURN(p.out, ViewOf(*out, "out"));
   EJK_FFI_ASSIGN_OR_RETURN(p.lse, ViewOf(*lse, "lse"));
   const CpuConfig cfg = CpuConfigFromAttrs(block_q, block_k, num_threads);
@@ -88,7 +95,7 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                                                      softmax_scale, causal, window_left,
                                                      window_right, logits_soft_cap, dropout_prob,
                                                      operands));
-  EJK_FFI_ASSIGN_OR_RETURN(p.fwd.dropout_seed, ReadSeed(dropout_seed, dropout_prob > 0.0f));
+  if (Status s = ReadSeed(dropout_seed, &p.fwd); !s.ok()) return ToFfiError(s);
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd.out, ViewOf(out, "out"));
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd.lse, ViewOf(lse, "lse"));
   EJK_FFI_ASSIGN_OR_RETURN(p.dout, ViewOf(dout, "dout"));

@@ -241,4 +241,14 @@ Status ValidateCuSeqlensValues(const ForwardParams& p, const Dims& dims) {
   return Status::Ok();
 }
 
+Status CheckDropoutSeedOperand(int64_t element_count, bool is_32_bit_integer) {
+  if (!is_32_bit_integer || (element_count != 1 && element_count != kDropoutSeedWithOrigin)) {
+    return Status::InvalidArgument("dropout_seed must be one 32-bit integer, or four (the seed, then the first batch "
+                                   "row, first q head and q heads of the call it is a part of); got " +
+                                   std::to_string(element_count) +
+                                   (is_32_bit_integer ? " of them" : " elements of another dtype"));
+  }
+  return Status::Ok();
+}
+
 }  // namespace ejk::flash_attention

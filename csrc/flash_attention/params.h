@@ -43,6 +43,9 @@ struct ForwardParams {
   float logits_soft_cap = 0.0f;  // 0: off; otherwise > 0
   float dropout_prob = 0.0f;     // in [0, 1)
   uint32_t dropout_seed = 0;
+  // The seed operand's words 1-3 where it has them (DropoutBatchHead), else null. Like the
+  // tensors, host memory for the CPU kernel and device memory for the CUDA kernels.
+  const uint32_t* dropout_origin = nullptr;
 
   TensorView out, lse;
 };
@@ -79,6 +82,10 @@ inline bool BiasGradSummed(const TensorView& bias_shaped, const Dims& d) {
 // Does not read tensor data.
 StatusOr<Dims> ValidateForward(const ForwardParams& p);
 StatusOr<Dims> ValidateBackward(const BackwardParams& p);
+// The dropout seed operand: one 32-bit integer, or kDropoutSeedWithOrigin of them, the seed
+// and the origin words of DropoutBatchHead (semantics.h).
+constexpr int64_t kDropoutSeedWithOrigin = 4;
+Status CheckDropoutSeedOperand(int64_t element_count, bool is_32_bit_integer);
 // Reads cu_seqlens (host memory): starts at 0, non-decreasing, ends within the array.
 Status ValidateCuSeqlensValues(const ForwardParams& p, const Dims& dims);
 

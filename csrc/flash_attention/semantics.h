@@ -82,6 +82,18 @@ EJK_HOST_DEVICE U32 Fmix32(U32 x) {
   return x;
 }
 
+// The (batch, head) index the dropout hash draws a row by. `origin` is null for a whole call,
+// or, for a call that computes part of a larger one (one device's batch rows and heads of a
+// call split over devices), the seed operand's words 1-3: the part's first batch row, its
+// first q head and the larger call's q heads, so that every part draws the masks the whole
+// call would. A pointer into the operand (device memory in CUDA kernels): the origin is
+// known only at run time.
+EJK_HOST_DEVICE uint32_t DropoutBatchHead(const uint32_t* origin, uint32_t num_q_heads, uint32_t batch,
+                                          uint32_t head) {
+  if (origin == nullptr) return batch * num_q_heads + head;
+  return (origin[0] + batch) * origin[2] + origin[1] + head;
+}
+
 // Per-(batch, head) and per-row parts of the dropout hash, hoisted out of the loops.
 EJK_HOST_DEVICE uint32_t DropoutHeadKey(uint32_t seed, uint32_t batch_head) {
   return Fmix32(batch_head ^ Fmix32(seed ^ 0x9e3779b9u));

@@ -690,6 +690,60 @@ TEST(FlashAttentionDropoutHash, FormsAgreeAndKeepRate) {
   }
 }
 
+// A call on part of a larger one (one device's batch rows and heads of a call split over
+// devices) given its origin in the seed operand draws the larger call's masks: batch row 1
+// and q heads 2-3 (kv head 1) of a [2, S, 4 (2), D] call match that call bit for bit, forward
+// and backward; without the origin they do not.
+TEST(FlashAttentionCpuDropoutOrigin, PartDrawsTheWholeCallsMasks) {
+  Case whole;
+  whole.batch = 2; whole.seqlen_q = 70; whole.seqlen_k = 90; whole.q_heads = 4; whole.kv_heads = 2;
+  whole.causal = true; whole.dropout = 0.3f;
+  Case part = whole;
+  part.batch = 1; part.q_heads = 2; part.kv_heads = 1;
+  const uint32_t seed = TestSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Tensors w = MakeInputs(whole, rng);
+  Tensors t = MakeInputs(part, rng);
+  t.seed = w.seed;
+  const int64_t D = whole.head_dim, b = 1, h0 = 2, kvh0 = 1;
+  // [B, S, H, D] tensors: the part's (0, s, h, d) is the whole's (b, s, first + h, d).
+  const auto slice = [&](const HostTensor& from, HostTensor& to, int64_t first) {
+    const int64_t S = to.shape()[1], H = to.shape()[2], from_h = from.shape()[2];
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) to.Set((s * H + h) * D + d, from.Get(((b * S + s) * from_h + first + h) * D + d));
+  };
+  slice(w.q, t.q, h0);
+  slice(w.k, t.k, kvh0);
+  slice(w.v, t.v, kvh0);
+  slice(w.dout, t.dout, h0);
+  ASSERT_TRUE(ForwardCpu(MakeForwardParams(whole, w), whole.cfg).ok());
+  ASSERT_TRUE(BackwardCpu(MakeBackwardParams(whole, w), whole.cfg).ok());
+  HostTensor want_out(part.dtype, t.q.shape()), want_dq(part.dtype, t.q.shape()), want_dk(part.dtype, t.k.shape());
+  slice(w.out, want_out, h0);
+  slice(w.dq, want_dq, h0);
+  slice(w.dk, want_dk, kvh0);
+
+  const uint32_t origin[3] = {static_cast<uint32_t>(b), static_cast<uint32_t>(h0), static_cast<uint32_t>(whole.q_heads)};
+  for (const bool with_origin : {true, false}) {
+    for (HostTensor* x : {&t.out, &t.lse, &t.dq, &t.dk, &t.dv}) x->Poison();
+    ForwardParams fp = MakeForwardParams(part, t);
+    fp.dropout_origin = with_origin ? origin : nullptr;
+    ASSERT_TRUE(ForwardCpu(fp, part.cfg).ok());
+    BackwardParams bp = MakeBackwardParams(part, t);
+    bp.fwd.dropout_origin = fp.dropout_origin;
+    ASSERT_TRUE(BackwardCpu(bp, part.cfg).ok());
+    EXPECT_EQ(t.out.bytes() == want_out.bytes(), with_origin) << "out";
+    EXPECT_EQ(t.dq.bytes() == want_dq.bytes(), with_origin) << "dq";
+    EXPECT_EQ(t.dk.bytes() == want_dk.bytes(), with_origin) << "dk";
+  }
+  EXPECT_TRUE(CheckDropoutSeedOperand(1, true).ok());
+  EXPECT_TRUE(CheckDropoutSeedOperand(kDropoutSeedWithOrigin, true).ok());
+  EXPECT_FALSE(CheckDropoutSeedOperand(2, true).ok());
+  EXPECT_FALSE(CheckDropoutSeedOperand(1, false).ok());
+}
+
 // The kernels' vector exp and tanh, in units in the last place of the f32 result.
 TEST(FlashAttentionCpuMath, ExpAndTanhAccuracy) {
   using cpu::kLanes;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 
 import jax
@@ -1248,6 +1249,72 @@ def test_shard_map(impl, rng, axis):
     want = jax.jit(jax.grad(functools.partial(loss, attention), argnums=range(5)))(*args)
     for name, a, b in zip(DIFFERENTIABLE, grads, want):
         assert_same(name, a, b)
+
+
+# jit over sharded arrays: (case, mesh shape (None: one axis over 4 devices, or 2 where there
+# are 2), spec of q, k and v (k and v replicated where None), whether the native kernels run
+# split, so that the compiled program gathers nothing).
+JIT_SHARDED_CASES = {
+    "batch": (Case("jit_batch", batch=4, q_heads=8, kv_heads=4, causal=True, bias="1H", sinks=True, segments=True),
+              None, P("x"), True),
+    "heads_gqa": (Case("jit_heads", q_heads=8, kv_heads=4, window=(20, 3), bias="BH", mask="B1"),
+                  None, P(None, None, "x"), True),
+    "batch_and_heads": (Case("jit_2d", batch=4, q_heads=4, kv_heads=2, soft_cap=20.0, bias="11", sinks=True),
+                        (2, 2), P("x", None, "y"), True),
+    "packed_heads": (Case("jit_packed", q_heads=8, kv_heads=4, varlen=VARLEN, causal=True), None, P(None, None, "x"),
+                     True),
+    # Dropout: each device draws the masks of its rows by their place in the whole call.
+    "dropout": (Case("jit_dropout", batch=4, q_heads=4, kv_heads=2, dropout=0.2, bias="1H"), None, P("x"), True),
+    "dropout_heads": (Case("jit_dropout_heads", q_heads=8, kv_heads=4, dropout=0.25, window=(30, 0)), None,
+                      P(None, None, "x"), True),
+    "dropout_batch_and_heads": (Case("jit_dropout_2d", batch=2, q_heads=4, kv_heads=2, dropout=0.3, causal=True,
+                                     sinks=True), (2, 2), P("x", None, "y"), True),
+    # Not split: key/value heads that do not divide over the devices, a split sequence (both
+    # gathered).
+    "heads_indivisible": (Case("jit_mqa", q_heads=8, kv_heads=1), None, (P(None, None, "x"), None), False),
+    "sequence": (Case("jit_seq", q_heads=4, kv_heads=2, seq_q=68, seq_k=72, causal=True), None, P(None, "x"), False),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(JIT_SHARDED_CASES))
+def test_jit_sharded(impl, rng, layout):
+    """Under jit with sharded q, k and v, a native call runs on each device's batch rows and
+    heads (no all-gather in the compiled program), and every result equals the call's on one
+    device, gradients (summed over devices where a bias or the sinks are shared) included."""
+    case, mesh_shape, spec, split = JIT_SHARDED_CASES[layout]
+    q_spec, kv_spec = spec if isinstance(spec, tuple) else (spec, spec)
+    if mesh_shape is None:
+        mesh_shape = (4 if jax.device_count() >= 4 else 2,)
+    if jax.device_count() < math.prod(mesh_shape):
+        pytest.skip("needs several devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    case = impl.adapt(case)
+    impl.require("backward", *case.features())
+    q, k, v, arrays, static = make_inputs(case, rng)
+    mesh = jax.make_mesh(mesh_shape, ("x", "y")[: len(mesh_shape)],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape))
+    sharded = [jax.device_put(x, jax.sharding.NamedSharding(mesh, s or P())) for x, s in zip((q, k, v), (q_spec, kv_spec, kv_spec))]
+    differentiable = {n: a for n, a in arrays.items() if n in DIFFERENTIABLE}
+    fixed = {n: a for n, a in arrays.items() if n not in DIFFERENTIABLE}
+
+    def attention(q, k, v, differentiable):
+        return impl.fn(q, k, v, **differentiable, **fixed, **static)
+
+    def loss(q, k, v, differentiable):
+        out, lse = attention(q, k, v, differentiable)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    forward, backward = jax.jit(attention), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    for name, got, want in zip(("out", "lse"), forward(*sharded, differentiable), forward(q, k, v, differentiable)):
+        assert_same(name, got, want)
+    got = jax.tree.leaves(backward(*sharded, differentiable))
+    want = jax.tree.leaves(backward(q, k, v, differentiable))
+    for got_grad, want_grad in zip(got, want):
+        assert_same("gradient", got_grad, want_grad)
+    if split and impl.name != "xla":
+        for fn in (forward, backward):
+            program = fn.lower(*sharded, differentiable).compile().as_text()
+            assert "all-gather" not in program, f"{layout}: the compiled program gathers operands"
+        assert forward(*sharded, differentiable)[0].sharding.spec == q_spec
 
 
 # The XLA implementation's own properties.

@@ -21,7 +21,9 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ... import _native
-from ._validate import AttentionArgs
+from . import _partition
+from ._partition import DENSE, DENSE_SUM, HEADS, HEADS_SUM, QKV, ROWS, STATS, WHOLE
+from ._validate import AttentionArgs, signature_of
 
 OP = "flash_attention"
 
@@ -118,14 +120,22 @@ def _cotangent_like(ct: Any, primal: Any, *inputs: Any) -> Any:
     return _vary_like(ct, primal)
 
 
-def _workspace(static: _Static, pass_: str) -> jax.ShapeDtypeStruct:
-    signature = {**json.loads(static.signature), "deterministic": static.deterministic}
+def _workspace(static: _Static, pass_: str, q: Any, k: Any, bias: Any, mask: Any) -> jax.ShapeDtypeStruct:
+    """The workspace result of a call on these operands. Its shapes are read from the operands,
+    not from the static: a call folded under vmap or partitioned over devices runs on other
+    shapes than the call traced."""
+    signature = {**json.loads(static.signature), **signature_of(q, k), "deterministic": static.deterministic}
+    for name, x in (("bias_shape", bias), ("mask_shape", mask)):
+        if name in signature:
+            signature[name] = list(x.shape)
     return jax.ShapeDtypeStruct((_native.workspace_bytes(OP, static.platform, pass_, signature),), jnp.uint8)
 
 
-# Positions in _optional_operands' list of the operands a vmap rule looks at (the list follows
-# q, k, v in the forward; q, k, v, out, dout, lse, dlse in the backward).
-_BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV = 0, 1, 2, 3, 4, 5, 6
+# Positions in _optional_operands' list (which follows q, k, v in the forward; q, k, v, out,
+# dout, lse, dlse in the backward).
+_BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = 0, 1, 2, 3, 4, 5, 6, 7
+# How the optional operands' dims follow batch and heads when a call is split over devices.
+_OPTIONAL_KINDS = [DENSE, DENSE, HEADS, WHOLE, WHOLE, ROWS, ROWS, WHOLE]
 
 
 def _mapped(args: list[Any], in_batched: list[bool], axis_size: int, i: int) -> Any:
@@ -134,8 +144,8 @@ def _mapped(args: list[Any], in_batched: list[bool], axis_size: int, i: int) -> 
 
 
 def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
-            rows: list[int], first_optional: int) -> tuple[_Static, list[Any]] | None:
-    """A vmapped call as one call over axis_size * batch rows: the static and arguments, or
+            rows: list[int], first_optional: int) -> list[Any] | None:
+    """A vmapped call as one call over axis_size * batch rows: its arguments, or
     None where folding would change the result (dropout draws by batch row, packed sequences
     have one row) or copy a bias or mask for every mapped element. args[i] for i in `rows` is
     [batch, ...]; the optional operands start at first_optional; every other argument (the
@@ -143,8 +153,6 @@ def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[boo
     if static.dropout_prob > 0.0 or operands & _HAS_CU_SEQLENS:
         return None
     batch = args[rows[0]].shape[int(in_batched[rows[0]])]
-    signature = json.loads(static.signature)
-    signature["batch"] = axis_size * batch
     per_row = list(rows)
     if operands & _HAS_SEGMENT_IDS:
         per_row += [first_optional + _SEG_Q, first_optional + _SEG_KV]
@@ -152,25 +160,24 @@ def _folded(static: _Static, operands: int, axis_size: int, in_batched: list[boo
     for i in per_row:
         x = _mapped(args, in_batched, axis_size, i)
         folded[i] = x.reshape(axis_size * batch, *x.shape[2:])
-    dense = [(first_optional + _BIAS, _HAS_BIAS, "bias_shape"), (first_optional + _MASK, _HAS_MASK, "mask_shape")]
-    for i, bit, key in dense:
+    dense = [(first_optional + _BIAS, _HAS_BIAS), (first_optional + _MASK, _HAS_MASK)]
+    for i, bit in dense:
         if not operands & bit:
             continue
         if in_batched[i]:
             if args[i].shape[1] != batch:  # a [1, ...] operand of a batch > 1 would be copied per row
                 return None
             folded[i] = args[i].reshape(axis_size * batch, *args[i].shape[2:])
-            signature[key] = list(folded[i].shape)
         elif args[i].shape[0] != 1:  # the same [batch, ...] operand for every mapped element
             return None
-    handled = set(per_row) | {i for i, bit, _ in dense if operands & bit}
+    handled = set(per_row) | {i for i, bit in dense if operands & bit}
     if any(b and i not in handled for i, b in enumerate(in_batched)):
         return None
-    return dataclasses.replace(static, signature=json.dumps(signature, sort_keys=True)), folded
+    return folded
 
 
 def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
-                   rows: list[int], stats: list[int], first_optional: int) -> tuple[_Static, list[Any]] | None:
+                   rows: list[int], stats: list[int], first_optional: int) -> list[Any] | None:
     """A vmapped call on packed sequences (batch 1) as one call over the mapped elements' rows
     laid end to end: element n's sequences, then one sequence of its padding rows without keys
     and one of its padding keys without rows (cum_seqlens start at 0, so padding is at the
@@ -200,8 +207,7 @@ def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: l
         padding = [start + length, start + length] if queries else [start + cu[:, -1:], start + length]
         ends = jnp.concatenate([start + cu[:, 1:], *padding], axis=1).reshape(-1)
         folded[i] = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-    signature = {**json.loads(static.signature), "seqlen_q": axis_size * sq, "seqlen_k": axis_size * sk}
-    return dataclasses.replace(static, signature=json.dumps(signature, sort_keys=True)), folded
+    return folded
 
 
 def _unfold_packed(x: Any, axis_size: int) -> Any:
@@ -258,30 +264,36 @@ def _sink_grads(axis_size: int, in_batched: list[bool], args: list[Any], operand
 def _forward_call(static: _Static):
     target = f"ejkernel_flash_attention_fwd_{static.platform}"
 
-    @jax.custom_batching.custom_vmap
-    def call(q, k, v, *optional):
+    def kernel(q, k, v, *optional):
         b, sq, hq, _ = q.shape
         out, lse, _ = jax.ffi.ffi_call(
             target,
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-                _workspace(static, "forward"),
+                _workspace(static, "forward", q, k, optional[_BIAS], optional[_MASK]),
             ),
         )(q, k, v, *optional, **static.attributes(static.operands))
         return out, lse
+
+    partitioned_kernel = _partition.partitioned(kernel, [QKV, QKV, QKV, *_OPTIONAL_KINDS], [QKV, STATS],
+                                                dropout_seed=3 + _SEED if static.dropout_prob > 0.0 else None)
+
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v, *optional):
+        return partitioned_kernel(q, k, v, *optional)
 
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
         if static.operands & _HAS_CU_SEQLENS:
             folded = _folded_packed(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], [], 3)
             if folded is not None:
-                out, lse = _forward_call(folded[0])(*folded[1])
+                out, lse = call(*folded)
                 return (_unfold_packed(out, axis_size), _unfold_packed_stats(lse, axis_size)), (True, True)
         folded = _folded(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], 3)
         if folded is None:
             return _map_sequentially(call, axis_size, in_batched, args)
-        out, lse = _forward_call(folded[0])(*folded[1])
+        out, lse = call(*folded)
         return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
 
     return call
@@ -292,8 +304,7 @@ def _backward_call(static: _Static, operands: int):
     target = f"ejkernel_flash_attention_bwd_{static.platform}"
     wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
 
-    @jax.custom_batching.custom_vmap
-    def call(q, k, v, out, dout, lse, dlse, *optional):
+    def kernel(q, k, v, out, dout, lse, dlse, *optional):
         bias, aux = optional[_BIAS], optional[_AUX]
         results = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -302,12 +313,20 @@ def _backward_call(static: _Static, operands: int):
             jax.ShapeDtypeStruct(bias.shape, _dbias_dtype(bias, q)) if wants_dbias
             else jax.ShapeDtypeStruct((0,), jnp.float32),
             jax.ShapeDtypeStruct(aux.shape, jnp.float32),
-            _workspace(static, "backward"),
+            _workspace(static, "backward", q, k, bias, optional[_MASK]),
         )
         *grads, _ = jax.ffi.ffi_call(target, results)(
             q, k, v, out, dout, lse, dlse, *optional, **static.attributes(operands)
         )
         return tuple(grads)
+
+    partitioned_kernel = _partition.partitioned(
+        kernel, [QKV, QKV, QKV, QKV, QKV, STATS, STATS, *_OPTIONAL_KINDS], [QKV, QKV, QKV, DENSE_SUM, HEADS_SUM],
+        dropout_seed=7 + _SEED if static.dropout_prob > 0.0 else None)
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return partitioned_kernel(*args)
 
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
@@ -316,7 +335,7 @@ def _backward_call(static: _Static, operands: int):
             folded = _folded_packed(static, operands, axis_size, list(in_batched), list(args), [0, 1, 2, 3, 4],
                                     rows[5:], 7)
             if folded is not None:
-                dq, dk, dv, dbias, daux = _backward_call(folded[0], operands)(*folded[1])
+                dq, dk, dv, dbias, daux = call(*folded)
                 grads = (_unfold_packed(dq, axis_size), _unfold_packed(dk, axis_size), _unfold_packed(dv, axis_size),
                          dbias, daux)
                 return grads, (True, True, True, False, False)
@@ -326,7 +345,7 @@ def _backward_call(static: _Static, operands: int):
         folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
         if folded is None:
             return _map_sequentially(call, axis_size, in_batched, args)
-        dq, dk, dv, dbias, daux = _backward_call(folded[0], operands)(*folded[1])
+        dq, dk, dv, dbias, daux = call(*folded)
         if operands & _HAS_AUX:  # shared sinks (mapped ones do not fold): the folded sum is split
             daux = _sink_grads(axis_size, in_batched, args, operands)
         grads = (_unfold(dq, axis_size), _unfold(dk, axis_size), _unfold(dv, axis_size),

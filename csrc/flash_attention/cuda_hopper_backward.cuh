@@ -830,16 +830,19 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
       }
     }
   };
+  // The dropout hash's (batch, head) index of the first item's head; item it's is it / m_count
+  // more. Outside the loop: the origin words are loads the loop could not hoist past its stores.
+  const uint32_t dropout_batch_head =
+      kDropout ? DropoutBatchHead(p.dropout.origin, p.num_q_heads, p.dropout.first_batch + batch,
+                                  static_cast<uint32_t>(kv_head * p.group))
+               : 0u;
   if (items > 0) MbarWait(kv_full, 0);
   for (int it = 0; it < items; ++it) {
     const int s = it % L::kStages;
     const uint32_t phase = (it / L::kStages) & 1;
     const int m0 = (m_lo + it % m_count) * kBlockM - q_begin;  // local to the sequence
     const uint32_t head_key =
-        kDropout ? DropoutHeadKey(dropout_seed,
-                                  DropoutBatchHead(p.dropout.origin, p.num_q_heads, p.dropout.first_batch + batch,
-                                                   static_cast<uint32_t>(kv_head * p.group + it / m_count)))
-                 : 0u;
+        kDropout ? DropoutHeadKey(dropout_seed, dropout_batch_head + static_cast<uint32_t>(it / m_count)) : 0u;
     if constexpr (kSplitQueries) {
       // S^T and dP^T for the block's 64 keys x this warpgroup's 32 queries.
       float sc[16], dp[16];

@@ -366,6 +366,11 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
     } else {
       cuda::CpAsyncCommit();
     }
+    // The dropout hash's (batch, head) index of the first item's head; item it's is it / nq more.
+    const uint32_t dropout_batch_head =
+        kGeneral && f.dropout ? DropoutBatchHead(f.dropout_origin, static_cast<uint32_t>(Hq), static_cast<uint32_t>(b),
+                                                 static_cast<uint32_t>(kvh * group))
+                              : 0u;
 
     for (int32_t it = 0; it < items; ++it) {
       const int stage = it & 1;
@@ -392,9 +397,7 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
       const bool check = !TileFullyVisible(f, s, i0, C::kBlockQ, j0, C::kBlockK);
       const bool write_dbias = kGeneral && a.dbias != nullptr && half == 0;
       const uint32_t head_key =
-          kGeneral && f.dropout ? DropoutHeadKey(seed, DropoutBatchHead(f.dropout_origin, static_cast<uint32_t>(Hq),
-                                                                        static_cast<uint32_t>(b), static_cast<uint32_t>(h)))
-                                : 0u;
+          kGeneral && f.dropout ? DropoutHeadKey(seed, dropout_batch_head + static_cast<uint32_t>(it / nq)) : 0u;
       // Query parts of the tile one after another, to keep S^T and dP^T small next to dK, dV.
 #pragma unroll 1
       for (int qp = 0; qp < C::kQParts; ++qp) {

@@ -1281,6 +1281,22 @@ def test_jit_sharded(impl, rng, layout):
     """Under jit with sharded q, k and v, a native call runs on each device's batch rows and
     heads (no all-gather in the compiled program), and every result equals the call's on one
     device, gradients (summed over devices where a bias or the sinks are shared) included."""
+    check_jit_sharded(impl, rng, layout)
+
+
+@pytest.mark.parametrize("layout", ["batch", "dropout_batch_and_heads"])
+def test_jit_sharded_gspmd(impl, rng, layout):
+    """The same under XLA's older partitioner (GSPMD), which asks the sharding callbacks
+    rather than Shardy's rule."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        check_jit_sharded(impl, rng, layout)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def check_jit_sharded(impl, rng, layout):
     case, mesh_shape, spec, split = JIT_SHARDED_CASES[layout]
     q_spec, kv_spec = spec if isinstance(spec, tuple) else (spec, spec)
     if mesh_shape is None:

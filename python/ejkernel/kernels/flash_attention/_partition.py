@@ -4,10 +4,10 @@ XLA gathering every operand to every device and running the whole call on each.
 
 Sequence and head_dim dims are never split (attention needs all of a row's keys): an operand
 split along them is gathered first. Query and key/value heads split alike, and only where
-the key/value heads divide evenly, so every device keeps whole GQA groups. A bias or mask shared across the batch or heads goes to every device
-whole; its gradient is then summed over the devices. With dropout each device's call gets its
-first batch row and head in the seed operand (semantics.h, DropoutBatchHead), so it draws
-the masks the whole call would.
+the key/value heads divide evenly, so every device keeps whole GQA groups. A bias or mask
+shared across the batch or heads goes to every device whole; its gradient is then summed
+over the devices. With dropout each device's call gets its first batch row and head in the
+seed operand (semantics.h, DropoutBatchHead), so it draws the masks the whole call would.
 
 Each call is wrapped in jax's custom_partitioning: a Shardy sharding rule that propagates the
 batch and head factors, and a partition callback that picks the split from the query's

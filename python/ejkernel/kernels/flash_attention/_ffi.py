@@ -50,7 +50,7 @@ class _Static:
     num_stages: int
     deterministic: bool
     backward: bool
-    signature: str  # the call's AttentionArgs.signature() as JSON: what its workspace is sized from
+    signature: str  # the call's AttentionArgs.signature() as JSON (its workspace: _workspace)
 
     def attributes(self, operands: int) -> dict[str, Any]:
         return dict(

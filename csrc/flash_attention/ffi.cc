@@ -43,11 +43,7 @@ Status ReadSeed(const ffi::AnyBuffer& seed, ForwardParams* p) {
   const auto* words = static_cast<const uint32_t*>(seed.untyped_data());
   p->dropout_seed = words[0];
   if (seed.element_count() == kDropoutSeedWithOrigin) {
-    const uint64_t heads = static_cast<uint64_t>(p->q.dim(2));
-    if (words[3] < heads || words[2] > words[3] - heads) {
-      return Status::InvalidArgument("dropout_seed: the part's first q head " + std::to_string(words[2]) + " and " +
-                                     std::to_string(heads) + " heads exceed the call's " + std::to_string(words[3]));
-    }
+    EJK_RETURN_IF_ERROR(CheckDropoutOrigin(words + 1, p->q.dim(2)));
     p->dropout_origin = words + 1;
   }
   return Status::Ok();

@@ -251,4 +251,13 @@ Status CheckDropoutSeedOperand(int64_t element_count, bool is_32_bit_integer) {
   return Status::Ok();
 }
 
+Status CheckDropoutOrigin(const uint32_t* origin, int64_t num_q_heads) {
+  const uint64_t heads = static_cast<uint64_t>(num_q_heads), first_head = origin[1], total = origin[2];
+  if (total < heads || first_head > total - heads) {
+    return Status::InvalidArgument("dropout_seed: a part's q heads " + std::to_string(first_head) + " to " +
+                                   std::to_string(first_head + heads) + " exceed the call's " + std::to_string(total));
+  }
+  return Status::Ok();
+}
+
 }  // namespace ejk::flash_attention

@@ -86,6 +86,8 @@ StatusOr<Dims> ValidateBackward(const BackwardParams& p);
 // and the origin words of DropoutBatchHead (semantics.h).
 constexpr int64_t kDropoutSeedWithOrigin = 4;
 Status CheckDropoutSeedOperand(int64_t element_count, bool is_32_bit_integer);
+// Origin words (host memory) of a part with num_q_heads heads: its heads lie inside the call's.
+Status CheckDropoutOrigin(const uint32_t* origin, int64_t num_q_heads);
 // Reads cu_seqlens (host memory): starts at 0, non-decreasing, ends within the array.
 Status ValidateCuSeqlensValues(const ForwardParams& p, const Dims& dims);
 

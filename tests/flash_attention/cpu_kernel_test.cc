@@ -693,7 +693,8 @@ TEST(FlashAttentionDropoutHash, FormsAgreeAndKeepRate) {
 // A call on part of a larger one (one device's batch rows and heads of a call split over
 // devices) given its origin in the seed operand draws the larger call's masks: batch row 1
 // and q heads 2-3 (kv head 1) of a [2, S, 4 (2), D] call match that call bit for bit, forward
-// and backward; without the origin they do not.
+// and backward; without the origin they do not. The seed operand's checks: one or four
+// 32-bit words, and a part's heads inside the call's.
 TEST(FlashAttentionCpuDropoutOrigin, PartDrawsTheWholeCallsMasks) {
   Case whole;
   whole.batch = 2; whole.seqlen_q = 70; whole.seqlen_k = 90; whole.q_heads = 4; whole.kv_heads = 2;
@@ -742,6 +743,10 @@ TEST(FlashAttentionCpuDropoutOrigin, PartDrawsTheWholeCallsMasks) {
   EXPECT_TRUE(CheckDropoutSeedOperand(kDropoutSeedWithOrigin, true).ok());
   EXPECT_FALSE(CheckDropoutSeedOperand(2, true).ok());
   EXPECT_FALSE(CheckDropoutSeedOperand(1, false).ok());
+  EXPECT_TRUE(CheckDropoutOrigin(origin, part.q_heads).ok());
+  const uint32_t past_the_end[3] = {0, 3, 4}, more_than_all[3] = {0, 0, 1};
+  EXPECT_FALSE(CheckDropoutOrigin(past_the_end, part.q_heads).ok());
+  EXPECT_FALSE(CheckDropoutOrigin(more_than_all, part.q_heads).ok());
 }
 
 // The kernels' vector exp and tanh, in units in the last place of the f32 result.

@@ -55,17 +55,6 @@ Status CheckSupported(const ForwardParams& p, const Dims& dims) {
   return MmaSupports(p, dims);
 }
 
-// The seed on the device, and its origin words where the operand has them (DropoutBatchHead;
-// read by the kernels, not here: the host does not wait for the device).
-StatusOr<const uint32_t*> DropoutSeed(const ffi::AnyBuffer& seed, ForwardParams* p) {
-  if (p->dropout_prob <= 0.0f) return static_cast<const uint32_t*>(nullptr);
-  EJK_RETURN_IF_ERROR(CheckDropoutSeedOperand(seed.element_count(), seed.element_type() == ffi::DataType::U32 ||
-                                                                        seed.element_type() == ffi::DataType::S32));
-  const auto* words = static_cast<const uint32_t*>(seed.untyped_data());
-  if (seed.element_count() == kDropoutSeedWithOrigin) p->dropout_origin = words + 1;
-  return words;
-}
-
 // Device workspace of a call: the handler's last result, sized from shapes and flags alone
 // (the Python front end asks the registry entry's workspace_bytes), so that XLA owns it and
 // the launch can be captured into a command buffer. Where the Hopper kernels take the call on
@@ -106,7 +95,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                                       softmax_scale, causal, window_left,
                                                       window_right, logits_soft_cap, dropout_prob,
                                                       operands));
-  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, &args.p));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeedWords(dropout_seed, &args.p));
   EJK_FFI_ASSIGN_OR_RETURN(args.p.out, ViewOf(*out, "out"));
   EJK_FFI_ASSIGN_OR_RETURN(args.p.lse, ViewOf(*lse, "lse"));
   EJK_FFI_ASSIGN_OR_RETURN(args.dims, ValidateForward(args.p));
@@ -140,7 +129,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                                      softmax_scale, causal, window_left,
                                                      window_right, logits_soft_cap, dropout_prob,
                                                      operands));
-  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeed(dropout_seed, &p.fwd));
+  EJK_FFI_ASSIGN_OR_RETURN(args.dropout_seed, DropoutSeedWords(dropout_seed, &p.fwd));
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd.out, ViewOf(out, "out"));
   EJK_FFI_ASSIGN_OR_RETURN(p.fwd.lse, ViewOf(lse, "lse"));
   EJK_FFI_ASSIGN_OR_RETURN(p.dout, ViewOf(dout, "dout"));

@@ -34,19 +34,13 @@ Status CheckCpuConfig(const CpuConfig& cfg) {
   return Status::Ok();
 }
 
-// The seed, and where the operand has them its origin words (DropoutBatchHead), checked
-// against the call's heads: a part must lie inside the call it is a part of.
+// The seed (host memory), and the origin words where the operand has them, checked against
+// the call's heads: a part must lie inside the call it is a part of.
 Status ReadSeed(const ffi::AnyBuffer& seed, ForwardParams* p) {
-  if (p->dropout_prob <= 0.0f) return Status::Ok();
-  EJK_RETURN_IF_ERROR(CheckDropoutSeedOperand(seed.element_count(), seed.element_type() == ffi::DataType::U32 ||
-                                                                        seed.element_type() == ffi::DataType::S32));
-  const auto* words = static_cast<const uint32_t*>(seed.untyped_data());
+  EJK_ASSIGN_OR_RETURN(const uint32_t* words, DropoutSeedWords(seed, p));
+  if (words == nullptr) return Status::Ok();
   p->dropout_seed = words[0];
-  if (seed.element_count() == kDropoutSeedWithOrigin) {
-    EJK_RETURN_IF_ERROR(CheckDropoutOrigin(words + 1, p->q.dim(2)));
-    p->dropout_origin = words + 1;
-  }
-  return Status::Ok();
+  return p->dropout_origin == nullptr ? Status::Ok() : CheckDropoutOrigin(p->dropout_origin, p->q.dim(2));
 }
 
 ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,

@@ -31,6 +31,18 @@ inline std::vector<std::string> AllFeatures() {
           "deterministic_backward"};
 }
 
+// The dropout seed operand's words, in the handler's memory (host for the CPU, device for
+// CUDA), after its count and dtype are checked; p->dropout_origin points at the origin words
+// where it has them (DropoutBatchHead). Null without dropout.
+inline StatusOr<const uint32_t*> DropoutSeedWords(const xla::ffi::AnyBuffer& seed, ForwardParams* p) {
+  if (p->dropout_prob <= 0.0f) return static_cast<const uint32_t*>(nullptr);
+  EJK_RETURN_IF_ERROR(CheckDropoutSeedOperand(seed.element_count(), seed.element_type() == xla::ffi::DataType::U32 ||
+                                                                        seed.element_type() == xla::ffi::DataType::S32));
+  const auto* words = static_cast<const uint32_t*>(seed.untyped_data());
+  if (seed.element_count() == kDropoutSeedWithOrigin) p->dropout_origin = words + 1;
+  return words;
+}
+
 inline StatusOr<ForwardParams> BuildForwardParams(
     const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
     const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& mask,

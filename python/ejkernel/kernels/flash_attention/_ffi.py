@@ -21,8 +21,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ... import _native
-from . import _partition
-from ._partition import DENSE, DENSE_SUM, HEADS, HEADS_SUM, QKV, ROWS, STATS, WHOLE
+from .. import _partition
+from .._partition import BATCH, HEADS, WHOLE, Kind
 from ._validate import AttentionArgs, signature_of
 
 OP = "flash_attention"
@@ -134,8 +134,13 @@ def _workspace(static: _Static, pass_: str, q: Any, k: Any, bias: Any, mask: Any
 # Positions in _optional_operands' list (which follows q, k, v in the forward; q, k, v, out,
 # dout, lse, dlse in the backward).
 _BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = 0, 1, 2, 3, 4, 5, 6, 7
-# How the optional operands' dims follow batch and heads when a call is split over devices.
-_OPTIONAL_KINDS = [DENSE, DENSE, HEADS, WHOLE, WHOLE, ROWS, ROWS, WHOLE]
+# How operands' and results' dims follow batch and heads when a call is split over devices.
+_QKV = Kind((BATCH, None, HEADS, None))  # q, k, v, out, dout [batch, seq, heads, head_dim]
+_STATS = Kind((BATCH, HEADS, None))  # lse, dlse [batch, q heads, seq_q]
+_DENSE = Kind((BATCH, HEADS, None, None))  # bias, mask [batch|1, q heads|1, seq_q, seq_k]
+_PER_HEAD = Kind((HEADS,))  # sinks [q heads]
+_ROWS = Kind((BATCH, None))  # segment ids [batch, seq]
+_OPTIONAL_KINDS = [_DENSE, _DENSE, _PER_HEAD, WHOLE, WHOLE, _ROWS, _ROWS, WHOLE]
 
 
 def _mapped(args: list[Any], in_batched: list[bool], axis_size: int, i: int) -> Any:
@@ -276,7 +281,7 @@ def _forward_call(static: _Static):
         )(q, k, v, *optional, **static.attributes(static.operands))
         return out, lse
 
-    partitioned_kernel = _partition.partitioned(kernel, [QKV, QKV, QKV, *_OPTIONAL_KINDS], [QKV, STATS],
+    partitioned_kernel = _partition.partitioned(kernel, [_QKV, _QKV, _QKV, *_OPTIONAL_KINDS], [_QKV, _STATS],
                                                 dropout_seed=3 + _SEED if static.dropout_prob > 0.0 else None)
 
     @jax.custom_batching.custom_vmap
@@ -321,7 +326,8 @@ def _backward_call(static: _Static, operands: int):
         return tuple(grads)
 
     partitioned_kernel = _partition.partitioned(
-        kernel, [QKV, QKV, QKV, QKV, QKV, STATS, STATS, *_OPTIONAL_KINDS], [QKV, QKV, QKV, DENSE_SUM, HEADS_SUM],
+        kernel, [_QKV] * 5 + [_STATS] * 2 + _OPTIONAL_KINDS,
+        [_QKV, _QKV, _QKV, dataclasses.replace(_DENSE, summed=True), dataclasses.replace(_PER_HEAD, summed=True)],
         dropout_seed=7 + _SEED if static.dropout_prob > 0.0 else None)
 
     @jax.custom_batching.custom_vmap

@@ -1,0 +1,198 @@
+"""Native calls under jit with sharded arrays: each device runs the kernel on its own batch
+rows and heads (the kernels treat every (batch, head) alike), instead of XLA gathering every
+operand to every device and running the whole call on each.
+
+An operation describes each operand and result by a `Kind`: which of its dims are the batch
+and which the heads. Every other dim is never split (attention needs all of a row's keys, a
+paged cache all of its pages): an operand split along one is gathered first. Query and
+key/value heads split alike, and only where the key/value heads divide evenly, so every device
+keeps whole GQA groups. An operand broadcast over the batch or heads (a dim of size 1, or no
+such dim) goes to every device whole; a result of a `summed` kind (the gradient of such an
+operand) is then summed over the devices. With dropout each device's call gets its first
+batch row and head in the seed operand (semantics.h, DropoutBatchHead), so it draws the masks
+the whole call would.
+
+Each call is wrapped in jax's custom_partitioning: a Shardy sharding rule that propagates the
+batch and head factors, and a partition callback that picks the split from the query's
+sharding and lowers the kernel call on the local shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BATCH, HEADS = "batch", "heads"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """How an operand's or result's dims follow the call's batch and heads: one entry per dim,
+    BATCH, HEADS (query or key/value heads, told apart by their count) or None. dims=None:
+    never split, any rank. summed: a device's value is its part of a sum over the batch
+    rows and heads the array does not carry (a broadcast operand's gradient)."""
+
+    dims: tuple[str | None, ...] | None
+    summed: bool = False
+
+
+WHOLE = Kind(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    batch: tuple[str, ...] = ()  # mesh axes the batch is split over
+    heads: tuple[str, ...] = ()  # and the heads
+
+    def axes(self, label: str) -> tuple[str, ...]:
+        return self.batch if label == BATCH else self.heads
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _labels(kind: Kind, shape: Sequence[int]) -> tuple[str | None, ...]:
+    """kind.dims where the array may split: none for a whole or absent operand (absent ones
+    travel as [0] placeholders), and no dim of size 1 (a broadcast)."""
+    if kind.dims is None or tuple(shape) == (0,):
+        return (None,) * len(shape)
+    if len(kind.dims) != len(shape):
+        raise ValueError(f"an operand of dims {kind.dims} has shape {tuple(shape)}")
+    return tuple(label if size > 1 else None for label, size in zip(kind.dims, shape))
+
+
+def _size_along(kind: Kind, shape: Sequence[int], label: str) -> int | None:
+    return shape[kind.dims.index(label)] if kind.dims and label in kind.dims else None
+
+
+def choose_split(mesh: Any, kinds: Sequence[Kind], query: Any, key: Any) -> Split:
+    """The split of a call from its query's sharding (operand 0; operand 1 holds the key/value
+    heads): the batch and head axes it is sharded along, where the kernels can take them
+    (see the module's docstring)."""
+    sharding = query.sharding
+    if not isinstance(sharding, NamedSharding):
+        return Split()
+    spec = tuple(sharding.spec) + (None,) * (len(query.shape) - len(sharding.spec))
+
+    def size(axes: tuple[str, ...]) -> int:
+        return math.prod(mesh.shape[a] for a in axes)
+
+    def axes_of(label: str) -> tuple[str, ...]:
+        if label not in (kinds[0].dims or ()):
+            return ()
+        axes = _axes(spec[kinds[0].dims.index(label)])
+        sizes = [_size_along(kinds[0], query.shape, label)]
+        if label == HEADS:
+            sizes.append(_size_along(kinds[1], key.shape, label))
+        return axes if all(s is not None and s % size(axes) == 0 for s in sizes) else ()
+
+    return Split(axes_of(BATCH), axes_of(HEADS))
+
+
+def spec_of(kind: Kind, shape: Sequence[int], split: Split) -> P:
+    """The partition spec of an operand or result of this kind and global shape."""
+    return P(*(None if label is None else _entry(split.axes(label)) for label in _labels(kind, shape)))
+
+
+def _summed(kind: Kind, shape: Sequence[int], split: Split, x: Any) -> Any:
+    """A device's result of a summed kind, summed over the devices it is partial across: the
+    split axes of the batch or heads it does not carry."""
+    if not kind.summed or tuple(shape) == (0,):
+        return x
+    carried = _labels(kind, shape)
+    axes = tuple(a for label in (BATCH, HEADS) if label not in carried for a in split.axes(label))
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _sharding_rule(operand_kinds: Sequence[Kind], result_kinds: Sequence[Kind]):
+    """Shardy's rule: batch dims share one factor, query head dims another, key/value head dims
+    a third (relating them as a compound factor lets Shardy split the query heads over part
+    of an axis, which jax cannot hand the partition callback), and every other dim a factor of
+    its own, so that only the batch and heads propagate through the call."""
+
+    def rule(mesh, value_types, result_types) -> SdyShardingRule:
+        q_heads = _size_along(operand_kinds[0], value_types[0].shape, HEADS)
+        counter = iter(range(1 << 30))
+
+        def factor(label: str | None, size: int) -> str:
+            if label == BATCH:
+                return "b"
+            if label == HEADS:
+                return "hq" if size == q_heads else "hk"
+            return f"x{next(counter)}"
+
+        def mapping(kind: Kind, shape: Sequence[int]) -> ArrayMapping:
+            return ArrayMapping(*(factor(label, size) for label, size in zip(_labels(kind, shape), shape)))
+
+        operands = tuple(mapping(kind, t.shape) for kind, t in zip(operand_kinds, value_types))
+        results = tuple(mapping(kind, t.shape) for kind, t in zip(result_kinds, result_types))
+        return SdyShardingRule(operands, results)
+
+    return rule
+
+
+def _with_origin(seed: Any, split: Split, query_kind: Kind, query: Any, num_q_heads: int) -> Any:
+    """The dropout seed operand of one device's part of a split call: the seed, then the part's
+    first batch row and first q head and the whole call's q heads."""
+
+    def first(label: str) -> Any:
+        axes = split.axes(label)
+        return jax.lax.axis_index(axes) * _size_along(query_kind, query.shape, label) if axes else 0
+
+    words = (seed, first(BATCH), first(HEADS), num_q_heads)
+    return jnp.stack([jnp.asarray(w).astype(jnp.uint32) for w in words])
+
+
+def partitioned(fn: Callable, operand_kinds: Sequence[Kind], result_kinds: Sequence[Kind], *,
+                dropout_seed: int | None = None) -> Callable:
+    """`fn` (the kernel call on operands of operand_kinds, returning a tuple of result_kinds;
+    operand 0 is the query, 1 holds the key/value heads) run by each device on its part of
+    the batch and heads. dropout_seed: the index of the seed operand of a call with dropout,
+    else None."""
+
+    def shardings(mesh, arg_shapes, result_shapes):
+        split = choose_split(mesh, operand_kinds, arg_shapes[0], arg_shapes[1])
+        args = tuple(NamedSharding(mesh, spec_of(k, a.shape, split)) for k, a in zip(operand_kinds, arg_shapes))
+        results = tuple(NamedSharding(mesh, spec_of(k, r.shape, split)) for k, r in zip(result_kinds, result_shapes))
+        return split, args, results
+
+    def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes, result_shape)[2]
+
+    def partition(mesh, arg_shapes, result_shape):
+        split, args, results = shardings(mesh, arg_shapes, result_shape)
+        global_shapes = [r.shape for r in result_shape]
+        num_q_heads = _size_along(operand_kinds[0], arg_shapes[0].shape, HEADS)
+
+        def lower(*operands):
+            if dropout_seed is not None and (split.batch or split.heads):
+                operands = list(operands)
+                operands[dropout_seed] = _with_origin(operands[dropout_seed], split, operand_kinds[0], operands[0],
+                                                      num_q_heads)
+            outs = fn(*operands)
+            return tuple(_summed(k, shape, split, x) for k, shape, x in zip(result_kinds, global_shapes, outs))
+
+        return mesh, lower, results, args
+
+    wrapped = custom_partitioning(fn)
+    wrapped.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer_sharding_from_operands,
+        sharding_rule=_sharding_rule(operand_kinds, result_kinds),
+    )
+    return wrapped

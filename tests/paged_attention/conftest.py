@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
 
-import numpy as np
-import pytest
+# The jit-over-sharded-arrays tests need several CPU devices; XLA reads this once, when jax is
+# first imported.
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=4".strip()
 
-from paged_impls import IMPLEMENTATIONS
+import dataclasses  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from paged_impls import IMPLEMENTATIONS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ejkernel.kernels.paged_attention import PagedArgs, normalize, paged_attention_xla
 from paged_reference import STATIC, Spec, make_batch, paged_reference, scatter_reference, to_f64
@@ -303,6 +305,73 @@ def test_bad_traced_metadata_stays_in_bounds(impl, rng):
     qsl = batch["query_start_loc"]
     intact = np.r_[qsl[1]:qsl[2], qsl[6]:args.query.shape[0]]  # sequences 1 and 6, then padding
     np.testing.assert_array_equal(got[intact], want[intact])
+
+
+# jit over arrays sharded along a mesh axis "x" of up to 4 devices: (batch, what is sharded
+# along "x", whether the native calls run on each device's heads, so that the compiled
+# program gathers nothing).
+JIT_SHARDED_CASES = {
+    "heads": (Spec(MIXED, q_heads=8, kv_heads=4, sinks=True, window=30, kv_starts=True), "heads", True),
+    "heads_token_major_update": (Spec(MIXED, q_heads=8, kv_heads=4, dtype="bfloat16", kv_layout="token_major",
+                                      soft_cap=5.0, update=True), "heads", True),
+    # Not split: one key/value head (MQA, the query sharded over heads), the tokens (both gathered).
+    "query_heads_mqa": (Spec(MIXED, q_heads=8, kv_heads=1, sinks=True), "query_heads", False),
+    "tokens": (Spec(MIXED, padding_rows=0), "tokens", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JIT_SHARDED_CASES))
+def test_jit_sharded(impl, case, rng):
+    """Under jit with the query, new tokens and caches sharded over heads (tensor parallelism),
+    the native calls run on each device's heads (no all-gather in the compiled program) and
+    the results match the reference; other shardings are gathered and match it too."""
+    check_jit_sharded(impl, case, rng)
+
+
+def test_jit_sharded_gspmd(impl, rng):
+    """The same under XLA's older partitioner (GSPMD), which asks the sharding callbacks
+    rather than Shardy's rule."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        check_jit_sharded(impl, "heads_token_major_update", rng)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def check_jit_sharded(impl, case, rng):
+    spec, axis, split = JIT_SHARDED_CASES[case]
+    devices = min(4, jax.device_count())
+    if devices < 2:
+        pytest.skip("needs several devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    batch = make_batch(spec, rng)
+    args = core_args(batch)
+    impl.require(*args.features())
+    mesh = jax.make_mesh((devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    cache = P(None, None, "x") if spec.kv_layout == "token_major" else P(None, "x")
+    specs = {"tokens": {"query": P("x")}, "query_heads": {"query": P(None, "x")}}.get(axis, {
+        "query": P(None, "x"), "new_keys": P(None, "x"), "new_values": P(None, "x"), "sinks": P("x"),
+        "key_cache": cache, "value_cache": cache})
+    arrays = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+              if isinstance(getattr(args, f.name), jax.Array)}
+    sharded = {n: jax.device_put(a, NamedSharding(mesh, specs.get(n, P()))) for n, a in arrays.items()}
+
+    @jax.jit
+    def call(arrays):
+        call_args = dataclasses.replace(args, **arrays)
+        if not spec.update:
+            return impl.attention(call_args), None
+        caches = impl.update(call_args)
+        return impl.attention(dataclasses.replace(call_args, key_cache=caches[0], value_cache=caches[1])), caches
+
+    out, caches = call(sharded)
+    if spec.update:
+        want_k, want_v = _check_update(batch, *caches)
+        batch = {**batch, "key_cache": want_k, "value_cache": want_v}
+    check_output(out, batch, args)
+    if split and impl.name != "xla":
+        assert "all-gather" not in call.lower(sharded).compile().as_text(), f"{case}: the program gathers operands"
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, specs["query"]), out.ndim)
 
 
 @pytest.mark.parametrize("what", ["no_rows", "no_sequences", "no_sequence_slots"])

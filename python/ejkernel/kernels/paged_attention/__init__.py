@@ -90,9 +90,9 @@ def native_unsupported(platform: str, args: PagedArgs) -> list[str]:
 def run(platform: str, args: PagedArgs, cfg: PagedAttentionConfig | None = None) -> Any:
     """The core on `platform` for normalised arguments: out, or (out, (key_cache,
     value_cache)) when args carries new keys and values to write first."""
-    cfg = cfg or heuristic_config(platform, args)
     update = args.new_keys is not None
     if platform == Platform.XLA.value:
+        cfg = cfg or heuristic_config(platform, args)
         if update:
             caches = paged_kv_cache_update_xla(
                 args.new_keys, args.new_values, args.key_cache, args.value_cache, args.kv_lens, args.block_tables,
@@ -113,9 +113,11 @@ def run(platform: str, args: PagedArgs, cfg: PagedAttentionConfig | None = None)
         if update:
             caches = paged_kv_cache_update_native(platform, args)
             args = dataclasses.replace(args, key_cache=caches[0], value_cache=caches[1])
-        num_splits = cfg.num_splits or heuristic_config(platform, args).num_splits or 1
+        # num_splits 0: the heuristic's count for the shapes each device runs, which a call
+        # split over devices (heads) makes smaller than args'.
+        cfg = cfg or dataclasses.replace(heuristic_config(platform, args), num_splits=0)
         out = paged_attention_native(
-            platform, args, num_splits=num_splits, block_kv=cfg.block_kv, num_threads=cfg.num_threads
+            platform, args, num_splits=cfg.num_splits, block_kv=cfg.block_kv, num_threads=cfg.num_threads
         )
     return (out, (args.key_cache, args.value_cache)) if update else out
 

@@ -74,12 +74,16 @@ def _placeholder(x: Any, dtype: Any) -> Any:
     return jnp.zeros((0,), dtype) if x is None else x
 
 
-def _dbias_dtype(bias: Any, q: Any) -> Any:
+def _dbias_dtype(bias: Any, q: Any) -> str:
     """The dtype the backward writes dbias in: a bf16/f16 bias's own where it has a plane per
-    (batch, q head), so each element is written once and rounded once; float32 sums otherwise."""
+    (batch, q head), so each element is written once and rounded once; float32 where it is a
+    sum, rounded once afterwards. Decided on the whole call: a part of it (a shard_map shard
+    that shares the bias with other shards, or one device's part of a partitioned call) may
+    hold one batch row, yet its gradient is summed with the other parts'."""
     own_planes = tuple(bias.shape[:2]) == (q.shape[0], q.shape[2])
     half = jnp.dtype(bias.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return bias.dtype if own_planes and half else jnp.float32
+    shared_by_shards = bool(_varying_axes(q) - _varying_axes(bias))
+    return jnp.dtype(bias.dtype if own_planes and half and not shared_by_shards else jnp.float32).name
 
 
 def _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed) -> list[Any]:
@@ -305,7 +309,7 @@ def _forward_call(static: _Static):
 
 
 @functools.lru_cache(maxsize=1024)
-def _backward_call(static: _Static, operands: int):
+def _backward_call(static: _Static, operands: int, dbias_dtype: str):
     target = f"ejkernel_flash_attention_bwd_{static.platform}"
     wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
 
@@ -315,7 +319,7 @@ def _backward_call(static: _Static, operands: int):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(bias.shape, _dbias_dtype(bias, q)) if wants_dbias
+            jax.ShapeDtypeStruct(bias.shape, dbias_dtype) if wants_dbias
             else jax.ShapeDtypeStruct((0,), jnp.float32),
             jax.ShapeDtypeStruct(aux.shape, jnp.float32),
             _workspace(static, "backward", q, k, bias, optional[_MASK]),
@@ -403,7 +407,8 @@ def _attention_fn(static: _Static):
         if bias is not None and not wants_dbias:
             operands |= _NO_BIAS_GRAD
         optional = _optional_operands(bias, mask, aux, cu_q, cu_k, seg_q, seg_kv, seed)
-        dq, dk, dv, dbias, daux = _backward_call(static, operands)(
+        dbias_dtype = _dbias_dtype(bias, q) if wants_dbias else "float32"
+        dq, dk, dv, dbias, daux = _backward_call(static, operands, dbias_dtype)(
             q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), *optional
         )
         inputs = (q, k, v, bias, aux, dout, dlse)

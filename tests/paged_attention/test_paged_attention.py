@@ -314,17 +314,20 @@ JIT_SHARDED_CASES = {
     "heads": (Spec(MIXED, q_heads=8, kv_heads=4, sinks=True, window=30, kv_starts=True), "heads", True),
     "heads_token_major_update": (Spec(MIXED, q_heads=8, kv_heads=4, dtype="bfloat16", kv_layout="token_major",
                                       soft_cap=5.0, update=True), "heads", True),
-    # Not split: one key/value head (MQA, the query sharded over heads), the tokens (both gathered).
+    # The query split over tokens, the caches whole: the call splits over heads instead.
+    "tokens": (Spec(MIXED, q_heads=8, kv_heads=4, padding_rows=0), "tokens", True),
+    # Not split: one key/value head (MQA, the query split over heads or tokens; gathered).
     "query_heads_mqa": (Spec(MIXED, q_heads=8, kv_heads=1, sinks=True), "query_heads", False),
-    "tokens": (Spec(MIXED, padding_rows=0), "tokens", False),
+    "tokens_mqa": (Spec(MIXED, q_heads=8, kv_heads=1, padding_rows=0), "tokens", False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(JIT_SHARDED_CASES))
 def test_jit_sharded(impl, case, rng):
     """Under jit with the query, new tokens and caches sharded over heads (tensor parallelism),
-    the native calls run on each device's heads (no all-gather in the compiled program) and
-    the results match the reference; other shardings are gathered and match it too."""
+    or the query over tokens, the native calls run on each device's heads (no all-gather in
+    the compiled program, the output sharded like the query) and the results match the
+    reference; other shardings are gathered and match it too."""
     check_jit_sharded(impl, case, rng)
 
 

@@ -4,7 +4,8 @@ operand to every device and running the whole call on each.
 
 An operation describes each operand and result by a `Kind`: which of its dims are the batch
 and which the heads. Every other dim is never split (attention needs all of a row's keys, a
-paged cache all of its pages): an operand split along one is gathered first. Query and
+paged cache all of its pages); a query split along its sequence has the call split over
+heads instead, and other operands split along another dim are gathered first. Query and
 key/value heads split alike, and only where the key/value heads divide evenly, so every device
 keeps whole GQA groups. An operand broadcast over the batch or heads (a dim of size 1, or no
 such dim) goes to every device whole; a result of a `summed` kind (the gradient of such an
@@ -30,15 +31,16 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-BATCH, HEADS = "batch", "heads"
+BATCH, HEADS, SEQUENCE = "batch", "heads", "sequence"
 
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """How an operand's or result's dims follow the call's batch and heads: one entry per dim,
-    BATCH, HEADS (query or key/value heads, told apart by their count) or None. dims=None:
-    never split, any rank. summed: a device's value is its part of a sum over the batch
-    rows and heads the array does not carry (a broadcast operand's gradient)."""
+    BATCH, HEADS (query or key/value heads, told apart by their count), SEQUENCE (never split
+    in a call; a query split along it has the call split over heads instead) or None.
+    dims=None: never split, any rank. summed: a device's value is its part of a sum over the
+    batch rows and heads the array does not carry (a broadcast operand's gradient)."""
 
     dims: tuple[str | None, ...] | None
     summed: bool = False
@@ -73,7 +75,7 @@ def _labels(kind: Kind, shape: Sequence[int]) -> tuple[str | None, ...]:
         return (None,) * len(shape)
     if len(kind.dims) != len(shape):
         raise ValueError(f"an operand of dims {kind.dims} has shape {tuple(shape)}")
-    return tuple(label if size > 1 else None for label, size in zip(kind.dims, shape))
+    return tuple(label if size > 1 and label != SEQUENCE else None for label, size in zip(kind.dims, shape))
 
 
 def _size_along(kind: Kind, shape: Sequence[int], label: str) -> int | None:
@@ -83,7 +85,10 @@ def _size_along(kind: Kind, shape: Sequence[int], label: str) -> int | None:
 def choose_split(mesh: Any, kinds: Sequence[Kind], query: Any, key: Any) -> Split:
     """The split of a call from its query's sharding (operand 0; operand 1 holds the key/value
     heads): the batch and head axes it is sharded along, where the kernels can take them
-    (see the module's docstring)."""
+    (see the module's docstring). The axes its sequence is sharded along split the heads
+    too, where they divide: each device then gets whole sequences of fewer heads, which
+    XLA delivers with an all-to-all (as DeepSpeed-Ulysses' sequence parallelism does)
+    instead of gathering every operand and computing every head on every device."""
     sharding = query.sharding
     if not isinstance(sharding, NamedSharding):
         return Split()
@@ -92,16 +97,22 @@ def choose_split(mesh: Any, kinds: Sequence[Kind], query: Any, key: Any) -> Spli
     def size(axes: tuple[str, ...]) -> int:
         return math.prod(mesh.shape[a] for a in axes)
 
-    def axes_of(label: str) -> tuple[str, ...]:
-        if label not in (kinds[0].dims or ()):
-            return ()
-        axes = _axes(spec[kinds[0].dims.index(label)])
+    def sharded_along(label: str) -> tuple[str, ...]:
+        dims = kinds[0].dims or ()
+        return _axes(spec[dims.index(label)]) if label in dims else ()
+
+    def divides(label: str, axes: tuple[str, ...]) -> bool:
         sizes = [_size_along(kinds[0], query.shape, label)]
         if label == HEADS:
             sizes.append(_size_along(kinds[1], key.shape, label))
-        return axes if all(s is not None and s % size(axes) == 0 for s in sizes) else ()
+        return all(s is not None and s % size(axes) == 0 for s in sizes)
 
-    return Split(axes_of(BATCH), axes_of(HEADS))
+    batch = sharded_along(BATCH) if divides(BATCH, sharded_along(BATCH)) else ()
+    heads = sharded_along(HEADS) if divides(HEADS, sharded_along(HEADS)) else ()
+    moved = tuple(a for a in sharded_along(SEQUENCE) if a not in batch + heads)
+    if moved and divides(HEADS, heads + moved):
+        heads += moved
+    return Split(batch, heads)
 
 
 def spec_of(kind: Kind, shape: Sequence[int], split: Split) -> P:
@@ -122,22 +133,29 @@ def _summed(kind: Kind, shape: Sequence[int], split: Split, x: Any) -> Any:
 def _sharding_rule(operand_kinds: Sequence[Kind], result_kinds: Sequence[Kind]):
     """Shardy's rule: batch dims share one factor, query head dims another, key/value head dims
     a third (relating them as a compound factor lets Shardy split the query heads over part
-    of an axis, which jax cannot hand the partition callback), and every other dim a factor of
-    its own, so that only the batch and heads propagate through the call."""
+    of an axis, which jax cannot hand the partition callback), sequence dims of the query's
+    length a fourth and of the keys' a fifth, and every other dim a factor of its own, so that
+    only the batch, heads and sequences propagate through the call."""
 
     def rule(mesh, value_types, result_types) -> SdyShardingRule:
         q_heads = _size_along(operand_kinds[0], value_types[0].shape, HEADS)
+        q_length = _size_along(operand_kinds[0], value_types[0].shape, SEQUENCE)
+        k_length = _size_along(operand_kinds[1], value_types[1].shape, SEQUENCE)
         counter = iter(range(1 << 30))
 
         def factor(label: str | None, size: int) -> str:
-            if label == BATCH:
+            if label == BATCH and size > 1:
                 return "b"
-            if label == HEADS:
+            if label == HEADS and size > 1:
                 return "hq" if size == q_heads else "hk"
+            if label == SEQUENCE and size in (q_length, k_length):
+                # so that a gradient comes back split along it like its operand
+                return "sq" if size == q_length else "sk"
             return f"x{next(counter)}"
 
         def mapping(kind: Kind, shape: Sequence[int]) -> ArrayMapping:
-            return ArrayMapping(*(factor(label, size) for label, size in zip(_labels(kind, shape), shape)))
+            labels = kind.dims if kind.dims is not None and tuple(shape) != (0,) else (None,) * len(shape)
+            return ArrayMapping(*(factor(label, size) for label, size in zip(labels, shape)))
 
         operands = tuple(mapping(kind, t.shape) for kind, t in zip(operand_kinds, value_types))
         results = tuple(mapping(kind, t.shape) for kind, t in zip(result_kinds, result_types))

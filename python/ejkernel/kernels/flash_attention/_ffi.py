@@ -22,7 +22,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ... import _native
 from .. import _partition
-from .._partition import BATCH, HEADS, WHOLE, Kind
+from .._partition import BATCH, HEADS, SEQUENCE, WHOLE, Kind
 from ._validate import AttentionArgs, signature_of
 
 OP = "flash_attention"
@@ -139,8 +139,8 @@ def _workspace(static: _Static, pass_: str, q: Any, k: Any, bias: Any, mask: Any
 # dout, lse, dlse in the backward).
 _BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = 0, 1, 2, 3, 4, 5, 6, 7
 # How operands' and results' dims follow batch and heads when a call is split over devices.
-_QKV = Kind((BATCH, None, HEADS, None))  # q, k, v, out, dout [batch, seq, heads, head_dim]
-_STATS = Kind((BATCH, HEADS, None))  # lse, dlse [batch, q heads, seq_q]
+_QKV = Kind((BATCH, SEQUENCE, HEADS, None))  # q, k, v, out, dout [batch, seq, heads, head_dim]
+_STATS = Kind((BATCH, HEADS, SEQUENCE))  # lse, dlse [batch, q heads, seq_q]
 _DENSE = Kind((BATCH, HEADS, None, None))  # bias, mask [batch|1, q heads|1, seq_q, seq_k]
 _PER_HEAD = Kind((HEADS,))  # sinks [q heads]
 _ROWS = Kind((BATCH, None))  # segment ids [batch, seq]

@@ -9,7 +9,8 @@ writes in place.
 
 Under jit with the query and caches sharded over heads (tensor parallelism), each device runs
 the kernels on its own heads (kernels/_partition.py); the metadata go to every device whole.
-Tokens never split: a device needs every row of the sequences it serves.
+Tokens never split, since a device needs every row of the sequences it serves: a query split
+over tokens has the call split over heads instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from ... import _native
 from .. import _partition
-from .._partition import HEADS, WHOLE, Kind
+from .._partition import HEADS, SEQUENCE, WHOLE, Kind
 from ..flash_attention._ffi import _map_sequentially, _vary_like
 from ._validate import LAYOUTS, PagedArgs
 
@@ -34,7 +35,7 @@ OP = "paged_attention"
 _HAS_KV_STARTS, _HAS_SINKS = 1, 2
 
 # How operands' and results' dims follow the heads when a call is split over devices.
-_TOKENS = Kind((None, HEADS, None))  # query, out, new keys and values [tokens, heads, head_dim]
+_TOKENS = Kind((SEQUENCE, HEADS, None))  # query, out, new keys and values [tokens, heads, head_dim]
 _CACHE = {
     "head_major": Kind((None, HEADS, None, None)),  # [pages, kv heads, page_size, head_dim]
     "token_major": Kind((None, None, HEADS, None)),  # [pages, page_size, kv heads, head_dim]

@@ -70,7 +70,7 @@ def _entry(axes: tuple[str, ...]) -> Any:
 
 def _labels(kind: Kind, shape: Sequence[int]) -> tuple[str | None, ...]:
     """kind.dims where the array may split: none for a whole or absent operand (absent ones
-    travel as [0] placeholders), and no dim of size 1 (a broadcast)."""
+    travel as [0] placeholders), and neither a sequence nor a dim of size 1 (a broadcast)."""
     if kind.dims is None or tuple(shape) == (0,):
         return (None,) * len(shape)
     if len(kind.dims) != len(shape):

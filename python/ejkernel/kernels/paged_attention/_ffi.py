@@ -71,10 +71,11 @@ def _sequential_vmap(call):
 def _attention_call(platform: str, static: PagedArgs, operands: int, num_splits: int, block_kv: int,
                     num_threads: int):
     def kernel(q, key_cache, value_cache, kv_lens, block_tables, query_start_loc, num_seqs, kv_starts, sinks):
-        local = dataclasses.replace(static, query=q, key_cache=key_cache, block_tables=block_tables)
-        splits = num_splits or (_native.heuristic_config(OP, platform, local.signature()) or {}).get("num_splits") or 1
+        # The shapes this device runs (a partitioned call's local ones).
+        signature = dataclasses.replace(static, query=q, key_cache=key_cache, block_tables=block_tables).signature()
+        splits = num_splits or (_native.heuristic_config(OP, platform, signature) or {}).get("num_splits") or 1
         # Partials, softmax statistics and two counters per (token, q head) (params.h).
-        workspace = _native.workspace_bytes(OP, platform, "forward", {**local.signature(), "num_splits": splits})
+        workspace = _native.workspace_bytes(OP, platform, "forward", {**signature, "num_splits": splits})
         out, _ = jax.ffi.ffi_call(
             f"ejkernel_paged_attention_{platform}",
             (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8)),

@@ -1,6 +1,7 @@
 """flash_attention under jax.jit over arrays sharded across every local device: the native call
 split over the devices' batch rows or heads, or over heads when the arrays are split along
-their sequence (one all-to-all per operand), against the same call under jax.shard_map, cuDNN
+their sequence (one all-to-all per operand), or with one key/value head (MQA) along the
+query's rows (the keys and values gathered), against the same call under jax.shard_map, cuDNN
 (jax.nn.dot_product_attention, whose calls are partitioned too) on the same sharded arrays,
 and the native call on replicated arrays (every device computing the whole batch, as an
 unpartitioned call does after gathering its operands).
@@ -36,6 +37,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     shape = (per_device * devices, seq, heads, head_dim)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3))
+    k_mqa, v_mqa = (x[:, :, :1] for x in (k, v))
 
     def ours(q, k, v):
         return flash_attention(q, k, v, causal=True, platform=platform)
@@ -51,12 +53,13 @@ def main() -> None:
 
     print(f"{platform}, {devices} devices, [{shape[0]}, {seq}, {heads}, {head_dim}] {jnp.dtype(dtype).name} causal",
           flush=True)
-    for split, spec in (("batch", P("x")), ("heads", P(None, None, "x")), ("sequence", P(None, "x"))):
-        sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
-        replicated = [jax.device_put(x, NamedSharding(mesh, P())) for x in (q, k, v)]
+    for split, spec, kv in (("batch", P("x"), (k, v)), ("heads", P(None, None, "x"), (k, v)),
+                            ("sequence", P(None, "x"), (k, v)), ("sequence, MQA", P(None, "x"), (k_mqa, v_mqa))):
+        sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, *kv)]
+        replicated = [jax.device_put(x, NamedSharding(mesh, P())) for x in (q, *kv)]
         for part, wrap in (("forward", lambda fn: fn), ("forward+backward", loss_grads)):
             rows = {"jit": timed_ms(wrap(ours), *sharded, reps=reps)}
-            if split != "sequence":  # a shard_map over sequence blocks would attend within each block only
+            if not split.startswith("sequence"):  # a shard_map over sequence blocks attends within blocks
                 rows["shard_map"] = timed_ms(
                     jax.shard_map(wrap(ours), mesh=mesh, in_specs=(spec,) * 3,
                                   out_specs=spec if part == "forward" else (spec,) * 3),
@@ -64,7 +67,7 @@ def main() -> None:
             rows["replicated"] = timed_ms(wrap(ours), *replicated, reps=reps)
             rows["jit with dropout 0.1"] = timed_ms(wrap(ours_dropout), *sharded, reps=reps)
             rows["replicated with dropout"] = timed_ms(wrap(ours_dropout), *replicated, reps=reps)
-            if platform == "cuda" and split != "sequence":  # JAX's cuDNN rule refuses a sequence split
+            if platform == "cuda" and not split.startswith("sequence"):  # JAX's cuDNN rule refuses a sequence split
                 rows["cudnn jit"] = timed_ms(wrap(cudnn), *sharded, reps=reps)
             print(f"  split over {split}, {part}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in rows.items()),
                   flush=True)

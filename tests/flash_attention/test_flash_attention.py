@@ -1258,7 +1258,8 @@ def test_shard_map(impl, rng, axis):
 
 # jit over sharded arrays: (case, mesh shape (None: one axis over 4 devices, or 2 where there
 # are 2), spec of q, k and v (k and v replicated where None), whether the native kernels run
-# split, so that the compiled program gathers nothing).
+# split: True where the compiled program gathers nothing, "keys" where it gathers only the
+# keys and values (the query's rows stay split), False where it gathers).
 JIT_SHARDED_CASES = {
     "batch": (Case("jit_batch", batch=4, q_heads=8, kv_heads=4, causal=True, bias="1H", sinks=True, segments=True),
               None, P("x"), True),
@@ -1285,11 +1286,26 @@ JIT_SHARDED_CASES = {
                            (2, 2), P("x", "y"), True),
     "dropout_sequence": (Case("jit_dropout_seq", q_heads=8, kv_heads=4, seq_q=60, seq_k=60, dropout=0.2, causal=True),
                          None, P(None, "x"), True),
-    # Not split: key/value heads that do not divide over the devices, split along heads or
-    # along the sequence (gathered).
+    # A split sequence whose heads cannot take it (MQA): the rows stay split, each device gets
+    # all the keys; causal and windowed rows run as packed sequences aligned where the whole
+    # call aligns them, the first device's rows seeing no key where seq_q > seq_k. In bf16/f16
+    # (the CUDA kernels) only the forward.
+    "sequence_rows": (Case("jit_rows", q_heads=4, kv_heads=1, seq_q=68, seq_k=72, causal=True, window=(20, 0),
+                           sinks=True), None, P(None, "x"), "keys"),
+    "sequence_rows_fewer_keys": (Case("jit_rows_short", q_heads=4, kv_heads=1, seq_q=68, seq_k=40, causal=True,
+                                      soft_cap=15.0), None, P(None, "x"), "keys"),
+    "sequence_rows_bf16": (Case("jit_rows_bf16", q_heads=4, kv_heads=1, seq_q=68, seq_k=68, dtype="bfloat16",
+                                causal=True), None, P(None, "x"), "keys"),
+    "sequence_rows_unmasked": (Case("jit_rows_full", q_heads=2, kv_heads=1, seq_q=36, seq_k=52, sinks=True,
+                                    deterministic=True), None, P(None, "x"), "keys"),
+    # Heads split over one axis, the sequence over the other, where the heads cannot take it.
+    "heads_and_sequence_rows": (Case("jit_heads_rows", q_heads=4, kv_heads=2, seq_q=36, seq_k=36, causal=True),
+                                (2, 2), P(None, "y", "x"), "keys"),
+    # Not split: key/value heads that do not divide over the devices, split along heads; a
+    # sequence whose heads cannot take it, with a bias (its planes are not split by rows).
     "heads_indivisible": (Case("jit_mqa", q_heads=8, kv_heads=1), None, (P(None, None, "x"), None), False),
-    "sequence_indivisible": (Case("jit_seq_mqa", q_heads=4, kv_heads=1, seq_q=68, seq_k=72, causal=True), None,
-                             P(None, "x"), False),
+    "sequence_indivisible": (Case("jit_seq_mqa", q_heads=4, kv_heads=1, seq_q=68, seq_k=72, causal=True,
+                                  bias="B1"), None, P(None, "x"), False),
 }
 
 
@@ -1347,13 +1363,19 @@ def check_jit_sharded(impl, rng, layout):
     for got_grad, want_grad in zip(got, want):
         assert_same("gradient", got_grad, want_grad)
     if split and impl.name != "xla":
-        for fn in (forward, backward):
+        # A bf16/f16 backward does not split the rows (each device's dK, dV would be rounded
+        # before their sum): it gathers.
+        for fn in (forward, backward) if split is True or case.dtype == "float32" else (forward,):
             program = fn.lower(*sharded, differentiable).compile().as_text()
-            # The one gather allowed: the [heads] gradient of replicated sinks, from a call
-            # split over heads.
+            # The one gather allowed (and, with the rows split, the keys and values'): the
+            # [heads] gradient of replicated sinks, from a call split over heads.
             gathered = [re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather(")[0].split("=", 1)[1])
                         for line in program.splitlines() if " all-gather(" in line]
-            assert all("," not in dims for shapes in gathered for dims in shapes), (
+            def allowed(dims):
+                sizes = dims.split(",")
+                return len(sizes) == 1 or split == "keys" and len(sizes) == 4 and sizes[1] == str(case.seq_k)
+
+            assert all(allowed(dims) for shapes in gathered for dims in shapes), (
                 f"{layout}: the program gathers {gathered}")
         assert forward(*sharded, differentiable)[0].sharding.spec == q_spec
 

@@ -22,7 +22,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ... import _native
 from .. import _partition
-from .._partition import BATCH, HEADS, SEQUENCE, WHOLE, Kind
+from .._partition import BATCH, HEADS, KEYS, SEQUENCE, WHOLE, Kind
 from ._validate import AttentionArgs, signature_of
 
 OP = "flash_attention"
@@ -139,7 +139,8 @@ def _workspace(static: _Static, pass_: str, q: Any, k: Any, bias: Any, mask: Any
 # dout, lse, dlse in the backward).
 _BIAS, _MASK, _AUX, _CU_Q, _CU_K, _SEG_Q, _SEG_KV, _SEED = 0, 1, 2, 3, 4, 5, 6, 7
 # How operands' and results' dims follow batch and heads when a call is split over devices.
-_QKV = Kind((BATCH, SEQUENCE, HEADS, None))  # q, k, v, out, dout [batch, seq, heads, head_dim]
+_Q_LIKE = Kind((BATCH, SEQUENCE, HEADS, None))  # q, out, dout [batch, seq_q, q heads, head_dim]
+_KV_LIKE = Kind((BATCH, KEYS, HEADS, None))  # k, v [batch, seq_k, kv heads, head_dim]
 _STATS = Kind((BATCH, HEADS, SEQUENCE))  # lse, dlse [batch, q heads, seq_q]
 _DENSE = Kind((BATCH, HEADS, None, None))  # bias, mask [batch|1, q heads|1, seq_q, seq_k]
 _PER_HEAD = Kind((HEADS,))  # sinks [q heads]
@@ -269,8 +270,8 @@ def _sink_grads(axis_size: int, in_batched: list[bool], args: list[Any], operand
 # many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
 # call runs once over the mapped elements' rows folded into its batch where that gives the
 # same result (_folded), else once per element.
-@functools.lru_cache(maxsize=1024)
-def _forward_call(static: _Static):
+def _forward_kernel(static: _Static):
+    """The forward FFI call: (q, k, v, *optional) -> (out, lse)."""
     target = f"ejkernel_flash_attention_fwd_{static.platform}"
 
     def kernel(q, k, v, *optional):
@@ -285,8 +286,106 @@ def _forward_call(static: _Static):
         )(q, k, v, *optional, **static.attributes(static.operands))
         return out, lse
 
-    partitioned_kernel = _partition.partitioned(kernel, [_QKV, _QKV, _QKV, *_OPTIONAL_KINDS], [_QKV, _STATS],
-                                                dropout_seed=3 + _SEED if static.dropout_prob > 0.0 else None)
+    return kernel
+
+
+def _backward_kernel(static: _Static, operands: int, dbias_dtype: str):
+    """The backward FFI call: (q, k, v, out, dout, lse, dlse, *optional) -> (dq, dk, dv, dbias,
+    daux), with the `operands` bits of this backward."""
+    target = f"ejkernel_flash_attention_bwd_{static.platform}"
+    wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
+
+    def kernel(q, k, v, out, dout, lse, dlse, *optional):
+        bias, aux = optional[_BIAS], optional[_AUX]
+        results = (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(bias.shape, dbias_dtype) if wants_dbias
+            else jax.ShapeDtypeStruct((0,), jnp.float32),
+            jax.ShapeDtypeStruct(aux.shape, jnp.float32),
+            _workspace(static, "backward", q, k, bias, optional[_MASK]),
+        )
+        *grads, _ = jax.ffi.ffi_call(target, results)(
+            q, k, v, out, dout, lse, dlse, *optional, **static.attributes(operands)
+        )
+        return tuple(grads)
+
+    return kernel
+
+
+def _rows_call(static: _Static, operands: int, make_kernel, *, queries: list[int], keys: list[int],
+               stats: list[int], out_rows: list[int], out_keys: list[int], out_stats: list[int]):
+    """The call on part of the query's rows against all the keys, for a call whose rows stay
+    split over devices (see _partition): rows_fn(first_row, rows, *args), or None where the
+    call cannot take it.
+
+    Without a causal or window bound the rows' positions do not matter and the part is the
+    same call on fewer rows. With a causal bound (causal, or a window whose right side is 0),
+    bottom-right alignment puts row i of the part at key i + seq_k - rows + first_row; the
+    part runs as packed sequences, per batch row its rows with the keys up to where that
+    alignment ends them, then one sequence of the remaining keys without rows, so that
+    packed alignment (i + keys - part rows) lands there. Not with a bias or mask (their
+    planes would have to be split by rows), packed sequences or segment ids of the caller's
+    own, dropout (its masks are drawn by row), or a window bounded on the right.
+    make_kernel(static) builds the FFI call; queries, keys, stats: the arguments of the
+    query's rows ([batch, rows, heads, dim]), of the keys and of per-row statistics ([batch,
+    heads, rows]), the optional operands following them; out_*: the same for the results."""
+    if static.dropout_prob > 0.0 or operands & (_HAS_BIAS | _HAS_MASK | _HAS_CU_SEQLENS | _HAS_SEGMENT_IDS):
+        return None
+    if not static.causal and static.window_right != 0:
+        if static.window_left != -1 or static.window_right != -1:
+            return None
+        kernel = make_kernel(static)
+        return lambda first_row, rows, *args: kernel(*args)
+    signature = json.loads(static.signature)
+    signature["features"] = sorted({*signature["features"], "cum_seqlens"})
+    if _native.unsupported_reason(OP, static.platform, signature) is not None:
+        return None
+    packed = dataclasses.replace(static, operands=static.operands | _HAS_CU_SEQLENS,
+                                 signature=json.dumps(signature, sort_keys=True))
+    kernel = make_kernel(packed)
+    first_optional = max(queries + keys + stats) + 1
+
+    def rows_fn(first_row, rows, *args):
+        batch, part, _, _ = args[queries[0]].shape
+        seq_k = args[keys[0]].shape[1]
+        visible = jnp.clip(first_row + part + seq_k - rows, 0, seq_k).astype(jnp.int32)
+        b = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        zero = jnp.zeros((1,), jnp.int32)
+        args = list(args)
+        args[first_optional + _CU_Q] = jnp.concatenate([zero, jnp.tile((b + 1) * part, (1, 2)).reshape(-1)])
+        args[first_optional + _CU_K] = jnp.concatenate(
+            [zero, jnp.concatenate([b * seq_k + visible, (b + 1) * seq_k], axis=1).reshape(-1)])
+        for i in queries + keys:
+            args[i] = args[i].reshape(1, -1, *args[i].shape[2:])
+        for i in stats:
+            args[i] = _packed_stats(args[i])
+        outs = list(kernel(*args))
+        for i in out_rows:
+            outs[i] = outs[i].reshape(batch, part, *outs[i].shape[2:])
+        for i in out_keys:
+            outs[i] = outs[i].reshape(batch, seq_k, *outs[i].shape[2:])
+        for i in out_stats:
+            outs[i] = outs[i].reshape(outs[i].shape[1], batch, part).transpose(1, 0, 2)
+        return tuple(outs)
+
+    return rows_fn
+
+
+def _packed_stats(x: Any) -> Any:
+    """[batch, heads, rows] -> [1, heads, batch * rows]; a [0] placeholder stays."""
+    return x if x.ndim == 1 else x.transpose(1, 0, 2).reshape(1, x.shape[1], -1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_call(static: _Static):
+    kernel = _forward_kernel(static)
+    partitioned_kernel = _partition.partitioned(
+        kernel, [_Q_LIKE, _KV_LIKE, _KV_LIKE, *_OPTIONAL_KINDS], [_Q_LIKE, _STATS],
+        dropout_seed=3 + _SEED if static.dropout_prob > 0.0 else None,
+        rows_fn=_rows_call(static, static.operands, _forward_kernel,
+                           queries=[0], keys=[1, 2], stats=[], out_rows=[0], out_keys=[], out_stats=[1]))
 
     @jax.custom_batching.custom_vmap
     def call(q, k, v, *optional):
@@ -310,29 +409,23 @@ def _forward_call(static: _Static):
 
 @functools.lru_cache(maxsize=1024)
 def _backward_call(static: _Static, operands: int, dbias_dtype: str):
-    target = f"ejkernel_flash_attention_bwd_{static.platform}"
     wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
-
-    def kernel(q, k, v, out, dout, lse, dlse, *optional):
-        bias, aux = optional[_BIAS], optional[_AUX]
-        results = (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(bias.shape, dbias_dtype) if wants_dbias
-            else jax.ShapeDtypeStruct((0,), jnp.float32),
-            jax.ShapeDtypeStruct(aux.shape, jnp.float32),
-            _workspace(static, "backward", q, k, bias, optional[_MASK]),
-        )
-        *grads, _ = jax.ffi.ffi_call(target, results)(
-            q, k, v, out, dout, lse, dlse, *optional, **static.attributes(operands)
-        )
-        return tuple(grads)
-
+    kernel = _backward_kernel(static, operands, dbias_dtype)
+    # With the rows split, each device's dK and dV are its rows' part of a sum, which the
+    # kernel rounds to the inputs' dtype: summed over the devices in bf16/f16 they would be
+    # rounded once per device, not once. Only float32 calls split their rows here; the others
+    # gather (their forward splits all the same).
+    splits_rows = json.loads(static.signature)["dtype"] == "float32"
     partitioned_kernel = _partition.partitioned(
-        kernel, [_QKV] * 5 + [_STATS] * 2 + _OPTIONAL_KINDS,
-        [_QKV, _QKV, _QKV, dataclasses.replace(_DENSE, summed=True), dataclasses.replace(_PER_HEAD, summed=True)],
-        dropout_seed=7 + _SEED if static.dropout_prob > 0.0 else None)
+        kernel, [_Q_LIKE, _KV_LIKE, _KV_LIKE, _Q_LIKE, _Q_LIKE, _STATS, _STATS, *_OPTIONAL_KINDS],
+        [_Q_LIKE, _KV_LIKE, _KV_LIKE, dataclasses.replace(_DENSE, summed=True),
+         dataclasses.replace(_PER_HEAD, summed=True)],
+        dropout_seed=7 + _SEED if static.dropout_prob > 0.0 else None,
+        rows_fn=_rows_call(static, operands,
+                           lambda rows_static: _backward_kernel(rows_static, rows_static.operands | operands,
+                                                                dbias_dtype),
+                           queries=[0, 3, 4], keys=[1, 2], stats=[5, 6], out_rows=[0], out_keys=[1, 2], out_stats=[])
+        if splits_rows else None)
 
     @jax.custom_batching.custom_vmap
     def call(*args):

@@ -44,7 +44,7 @@ class Kind:
     rows: split only where the call's rows stay split, see the module's docstring), KEYS
     (never split) or None. dims=None: never split, any rank. summed: a device's value is its
     part of a sum over the batch rows and heads the array does not carry (a broadcast
-    operand's gradient)."""
+    operand's gradient), and over the query's rows where they are split."""
 
     dims: tuple[str | None, ...] | None
     summed: bool = False

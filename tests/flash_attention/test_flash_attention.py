@@ -1363,18 +1363,18 @@ def check_jit_sharded(impl, rng, layout):
     for got_grad, want_grad in zip(got, want):
         assert_same("gradient", got_grad, want_grad)
     if split and impl.name != "xla":
+        # The one gather allowed (and, with the rows split, the keys and values'): the [heads]
+        # gradient of replicated sinks, from a call split over heads.
+        def allowed(dims):
+            sizes = dims.split(",")
+            return len(sizes) == 1 or split == "keys" and len(sizes) == 4 and sizes[1] == str(case.seq_k)
+
         # A bf16/f16 backward does not split the rows (each device's dK, dV would be rounded
         # before their sum): it gathers.
         for fn in (forward, backward) if split is True or case.dtype == "float32" else (forward,):
             program = fn.lower(*sharded, differentiable).compile().as_text()
-            # The one gather allowed (and, with the rows split, the keys and values'): the
-            # [heads] gradient of replicated sinks, from a call split over heads.
             gathered = [re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather(")[0].split("=", 1)[1])
                         for line in program.splitlines() if " all-gather(" in line]
-            def allowed(dims):
-                sizes = dims.split(",")
-                return len(sizes) == 1 or split == "keys" and len(sizes) == 4 and sizes[1] == str(case.seq_k)
-
             assert all(allowed(dims) for shapes in gathered for dims in shapes), (
                 f"{layout}: the program gathers {gathered}")
         assert forward(*sharded, differentiable)[0].sharding.spec == q_spec

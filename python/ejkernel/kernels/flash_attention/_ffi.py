@@ -327,18 +327,23 @@ def _rows_call(static: _Static, operands: int, make_kernel, *, queries: list[int
     alignment ends them, then one sequence of the remaining keys without rows, so that
     packed alignment (i + keys - part rows) lands there. Not with a bias or mask (their
     planes would have to be split by rows), packed sequences or segment ids of the caller's
-    own, dropout (its masks are drawn by row), or a window bounded on the right.
+    own, dropout (its masks are drawn by row), or a window bounded on the right. Results over
+    the keys (dK, dV) are each device's rows' part of a sum, which the kernel rounds to the
+    inputs' dtype: summed over the devices in bf16/f16 they would be rounded once per device,
+    not once, so only float32 calls that return them split their rows.
     make_kernel(static) builds the FFI call; queries, keys, stats: the arguments of the
     query's rows ([batch, rows, heads, dim]), of the keys and of per-row statistics ([batch,
     heads, rows]), the optional operands following them; out_*: the same for the results."""
+    signature = json.loads(static.signature)
     if static.dropout_prob > 0.0 or operands & (_HAS_BIAS | _HAS_MASK | _HAS_CU_SEQLENS | _HAS_SEGMENT_IDS):
+        return None
+    if out_keys and signature["dtype"] != "float32":
         return None
     if not static.causal and static.window_right != 0:
         if static.window_left != -1 or static.window_right != -1:
             return None
         kernel = make_kernel(static)
         return lambda first_row, rows, *args: kernel(*args)
-    signature = json.loads(static.signature)
     signature["features"] = sorted({*signature["features"], "cum_seqlens"})
     if _native.unsupported_reason(OP, static.platform, signature) is not None:
         return None
@@ -411,11 +416,6 @@ def _forward_call(static: _Static):
 def _backward_call(static: _Static, operands: int, dbias_dtype: str):
     wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
     kernel = _backward_kernel(static, operands, dbias_dtype)
-    # With the rows split, each device's dK and dV are its rows' part of a sum, which the
-    # kernel rounds to the inputs' dtype: summed over the devices in bf16/f16 they would be
-    # rounded once per device, not once. Only float32 calls split their rows here; the others
-    # gather (their forward splits all the same).
-    splits_rows = json.loads(static.signature)["dtype"] == "float32"
     partitioned_kernel = _partition.partitioned(
         kernel, [_Q_LIKE, _KV_LIKE, _KV_LIKE, _Q_LIKE, _Q_LIKE, _STATS, _STATS, *_OPTIONAL_KINDS],
         [_Q_LIKE, _KV_LIKE, _KV_LIKE, dataclasses.replace(_DENSE, summed=True),
@@ -424,8 +424,7 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
         rows_fn=_rows_call(static, operands,
                            lambda rows_static: _backward_kernel(rows_static, rows_static.operands | operands,
                                                                 dbias_dtype),
-                           queries=[0, 3, 4], keys=[1, 2], stats=[5, 6], out_rows=[0], out_keys=[1, 2], out_stats=[])
-        if splits_rows else None)
+                           queries=[0, 3, 4], keys=[1, 2], stats=[5, 6], out_rows=[0], out_keys=[1, 2], out_stats=[]))
 
     @jax.custom_batching.custom_vmap
     def call(*args):

@@ -491,6 +491,7 @@ Status Run(const CudaBackwardArgs& args, bool narrow, void* scratch, cudaStream_
   EJK_RETURN_IF_ERROR(hopper::MakeTensorMap(p.dout, block_m, "dout", &kp.tma_do));
   kp.dk = p.dk.data;
   kp.dv = p.dv.data;
+  kp.dkv_f32 = p.dk.dtype == DType::kF32;
   float* lse2 = reinterpret_cast<float*>(base);
   float* delta = reinterpret_cast<float*>(base + sl.stat_bytes);
   kp.lse2 = lse2;

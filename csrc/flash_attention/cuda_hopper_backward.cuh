@@ -207,6 +207,7 @@ struct KernelParams {
   int64_t dbias_stride_b, dbias_stride_h;
   int dbias_atomic, dbias_f32;
   void *dk, *dv;
+  int dkv_f32;  // dK and dV stored unrounded in f32 (BackwardParams), else in the inputs' dtype
   const float* lse2;   // [B, Hq, padded_q] lse in log2 units, +inf for rows that see nothing
   const float* delta;  // [B, Hq, padded_q] rowsum(dO * O) - dlse
   float* dq_accum;
@@ -1175,14 +1176,18 @@ __global__ void __launch_bounds__(384, 1) BackwardKernel(const __grid_constant__
     if (key < sk) {
       const int64_t off = (static_cast<int64_t>(batch) * p.seqlen_k + k_begin + key) * row_stride +
                           static_cast<int64_t>(kv_head) * p.head_dim + col0 + 2 * t4;
-      uint16_t* dk_row = static_cast<uint16_t*>(p.dk) + off;
-      uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + off;
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
         if (col0 + 8 * j >= p.head_dim) break;
-        *reinterpret_cast<uint32_t*>(dk_row + 8 * j) =
-            Pack<kF16>(dk[4 * j + 2 * r] * p.dk_scale, dk[4 * j + 2 * r + 1] * p.dk_scale);
-        *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = Pack<kF16>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        const float2 dk2 = make_float2(dk[4 * j + 2 * r] * p.dk_scale, dk[4 * j + 2 * r + 1] * p.dk_scale);
+        const float2 dv2 = make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        if (p.dkv_f32) {
+          *reinterpret_cast<float2*>(static_cast<float*>(p.dk) + off + 8 * j) = dk2;
+          *reinterpret_cast<float2*>(static_cast<float*>(p.dv) + off + 8 * j) = dv2;
+        } else {
+          *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + off + 8 * j) = Pack<kF16>(dk2.x, dk2.y);
+          *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + off + 8 * j) = Pack<kF16>(dv2.x, dv2.y);
+        }
       }
     }
   }

@@ -203,6 +203,7 @@ Status BackwardMma(const CudaBackwardArgs& args, const CudaConfig& cfg, void* sc
   a.dq = p.dq.data;
   a.dk = p.dk.data;
   a.dv = p.dv.data;
+  a.dkv_f32 = p.dk.dtype == DType::kF32;
   a.lse2 = reinterpret_cast<float*>(base);
   a.delta = reinterpret_cast<float*>(base + stat_bytes);
   a.dq_accum = p.deterministic ? nullptr : reinterpret_cast<float*>(base + 2 * stat_bytes);

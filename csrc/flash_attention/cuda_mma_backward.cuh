@@ -53,6 +53,7 @@ struct KernelArgs {
   // false; never with dbias_atomic).
   void* dbias;
   bool dbias_atomic, dbias_f32, dbias_f16;
+  bool dkv_f32;  // dK and dV stored unrounded in f32 (BackwardParams), else in T
   int32_t batch, num_kv_heads;
   int32_t pairs_b, pairs_h;  // (batch, kv head) pairs per KvKernel block
 };
@@ -579,10 +580,15 @@ __global__ void __launch_bounds__(KvTile<kD>::kThreads, KvTile<kD>::kMinBlocks) 
 #pragma unroll
         for (int n = 0; n < kNd; ++n) {
           if (half * C::kDOut + n * 8 >= D) break;
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dk) + off + n * 8) =
-              cuda::PackFloat2<T>(dk[n][2 * e2] * f.scale, dk[n][2 * e2 + 1] * f.scale);
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dv) + off + n * 8) =
-              cuda::PackFloat2<T>(dv[n][2 * e2], dv[n][2 * e2 + 1]);
+          const float2 dk2 = make_float2(dk[n][2 * e2] * f.scale, dk[n][2 * e2 + 1] * f.scale);
+          const float2 dv2 = make_float2(dv[n][2 * e2], dv[n][2 * e2 + 1]);
+          if (a.dkv_f32) {
+            *reinterpret_cast<float2*>(static_cast<float*>(a.dk) + off + n * 8) = dk2;
+            *reinterpret_cast<float2*>(static_cast<float*>(a.dv) + off + n * 8) = dv2;
+          } else {
+            *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dk) + off + n * 8) = cuda::PackFloat2<T>(dk2.x, dk2.y);
+            *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dv) + off + n * 8) = cuda::PackFloat2<T>(dv2.x, dv2.y);
+          }
         }
       }
     }

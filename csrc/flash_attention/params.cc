@@ -188,10 +188,14 @@ StatusOr<Dims> ValidateBackward(const BackwardParams& p) {
   }
   EJK_RETURN_IF_ERROR(CheckTensor(p.dq, "dq", 4, {f.q.dtype}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dq, "dq", {B, Sq, Hq, D}, like_q));
-  EJK_RETURN_IF_ERROR(CheckTensor(p.dk, "dk", 4, {f.k.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.dk, "dk", 4, {f.k.dtype, DType::kF32}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dk, "dk", {B, Sk, Hkv, D}, like_k));
-  EJK_RETURN_IF_ERROR(CheckTensor(p.dv, "dv", 4, {f.v.dtype}));
+  EJK_RETURN_IF_ERROR(CheckTensor(p.dv, "dv", 4, {f.v.dtype, DType::kF32}));
   EJK_RETURN_IF_ERROR(CheckShape(p.dv, "dv", {B, Sk, Hkv, D}, like_k));
+  if (p.dv.dtype != p.dk.dtype) {
+    return Invalid(std::string("dv: dtype (") + DTypeName(p.dv.dtype) + ") must equal dk's (" +
+                   DTypeName(p.dk.dtype) + "); dk " + p.dk.ToString() + ", dv " + p.dv.ToString());
+  }
   if (Given(p.dbias)) {
     if (!Given(f.bias)) return Invalid("dbias " + p.dbias.ToString() + " given without bias");
     const bool bias_16bit = f.bias.dtype == DType::kBF16 || f.bias.dtype == DType::kF16;

@@ -53,7 +53,8 @@ struct ForwardParams {
 // Backward: the forward's inputs, plus its outputs and the outputs' cotangents.
 //   dlse         [B, Hq, Sq] f32, optional: cotangent of lse (d lse_i / d logit_ij = P_ij,
 //                so it enters as D_i = rowsum(dout_i * out_i) - dlse_i)
-//   dq, dk, dv   like q, k, v
+//   dq, dk, dv   like q, k, v; dk and dv may both be f32 instead, unrounded, for a caller that
+//                adds several calls' parts (a split of the query's rows) before rounding once
 //   dbias        like bias (present iff bias is present and its gradient is wanted): f32, or
 //                a bf16/f16 bias's own dtype where the bias has a plane per (batch, q head)
 //                (!BiasGradSummed): each element is then written once, rounded once

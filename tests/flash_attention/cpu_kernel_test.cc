@@ -119,6 +119,7 @@ struct Case {
   // Segment ids in order (documents): blocks of one id, blocks of other documents' ids.
   bool documents = false;
   bool dlse = false;
+  bool float32_keys = false;  // dK and dV in f32, unrounded, from 16-bit inputs
   double input_scale = 1.0;  // larger values sharpen the softmax
   CpuConfig cfg{16, 32, 2};
 };
@@ -215,8 +216,8 @@ Tensors MakeInputs(const Case& c, std::mt19937& rng) {
     fill(t.dlse, 1.0);
   }
   t.dq = HostTensor(c.dtype, t.q.shape());
-  t.dk = HostTensor(c.dtype, t.k.shape());
-  t.dv = HostTensor(c.dtype, t.v.shape());
+  t.dk = HostTensor(c.float32_keys ? DType::kF32 : c.dtype, t.k.shape());
+  t.dv = HostTensor(c.float32_keys ? DType::kF32 : c.dtype, t.v.shape());
   if (!t.bias.empty()) t.dbias = HostTensor(c.dbias_in_bias_dtype ? c.bias_dtype : DType::kF32, t.bias.shape());
   if (!t.aux.empty()) t.daux = HostTensor(DType::kF32, {c.q_heads});
   t.seed = static_cast<uint32_t>(rng());
@@ -472,8 +473,8 @@ void RunCase(const Case& c) {
   ExpectClose("out", t.out, ref.out, tol);
   ExpectClose("lse", t.lse, ref.lse, f32);
   ExpectClose("dq", t.dq, ref.dq, tol);
-  ExpectClose("dk", t.dk, ref.dk, tol);
-  ExpectClose("dv", t.dv, ref.dv, tol);
+  ExpectClose("dk", t.dk, ref.dk, ToleranceFor(t.dk.dtype()));
+  ExpectClose("dv", t.dv, ref.dv, ToleranceFor(t.dv.dtype()));
   if (!t.dbias.empty()) ExpectClose("dbias", t.dbias, ref.dbias, ToleranceFor(t.dbias.dtype()));
   if (!t.daux.empty()) ExpectClose("dsoftmax_aux", t.daux, ref.daux, f32);
 }
@@ -564,6 +565,10 @@ std::vector<Case> Cases() {
   // 16-bit inputs: the reference sees the same rounded values.
   add("Bf16", [](Case& c) { c.dtype = DType::kBF16; c.causal = true; });
   add("F16", [](Case& c) { c.dtype = DType::kF16; c.head_dim = 128; c.q_heads = 2; c.kv_heads = 2; });
+  // dK and dV as f32 parts of a sum: within f32's tolerance of the reference, not bf16's.
+  add("Bf16Float32Keys", [](Case& c) {
+    c.dtype = DType::kBF16; c.float32_keys = true; c.causal = true; c.sinks = true; c.dlse = true;
+  });
   add("Bf16AllPacked", [&](Case& c) {
     packed(c);
     c.dtype = DType::kBF16; c.head_dim = 40; c.causal = true; c.window_left = 10; c.soft_cap = 3.0f;
@@ -1034,6 +1039,16 @@ TEST_F(FlashAttentionCpuValidation, BackwardOperands) {
   p = Bwd();
   p.dv.dtype = DType::kF16;
   ExpectBackwardRejected(p, "dv");
+  // 16-bit inputs may have f32 dK and dV, both or neither.
+  p = Bwd();
+  for (TensorView* t : {&p.fwd.q, &p.fwd.k, &p.fwd.v, &p.fwd.out, &p.dout, &p.dq}) t->dtype = DType::kBF16;
+  EXPECT_TRUE(ValidateBackward(p).ok()) << ValidateBackward(p).status().ToString();
+  p.dv.dtype = DType::kBF16;
+  ExpectBackwardRejected(p, "dv: dtype (bfloat16) must equal dk's (float32)");
+  p.dk.dtype = DType::kBF16;
+  EXPECT_TRUE(ValidateBackward(p).ok()) << ValidateBackward(p).status().ToString();
+  p.dk.dtype = DType::kF16;
+  ExpectBackwardRejected(p, "dk");
   p = Bwd();
   p.dbias.dtype = DType::kBF16;
   ExpectBackwardRejected(p, "dbias");

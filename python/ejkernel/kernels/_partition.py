@@ -199,8 +199,9 @@ def partitioned(fn: Callable, operand_kinds: Sequence[Kind], result_kinds: Seque
     operand 0 is the query, 1 holds the key/value heads) run by each device on its part of
     the batch and heads. dropout_seed: the index of the seed operand of a call with dropout,
     else None. rows_fn(first_row, rows, *operands): `fn` on the query's rows from first_row
-    (traced) of its `rows`, against all the keys; where given, a split sequence that the heads
-    cannot take keeps the rows split (not with dropout)."""
+    (traced) of its `rows`, against all the keys, its results summed over the rows possibly in
+    a wider dtype than `fn`'s; where given, a split sequence that the heads cannot take keeps
+    the rows split (not with dropout)."""
 
     def shardings(mesh, arg_shapes, result_shapes):
         split = choose_split(mesh, operand_kinds, arg_shapes[0], arg_shapes[1], splits_rows=rows_fn is not None)
@@ -214,6 +215,7 @@ def partitioned(fn: Callable, operand_kinds: Sequence[Kind], result_kinds: Seque
     def partition(mesh, arg_shapes, result_shape):
         split, args, results = shardings(mesh, arg_shapes, result_shape)
         global_shapes = [r.shape for r in result_shape]
+        dtypes = [r.dtype for r in result_shape]
         num_q_heads = _size_along(operand_kinds[0], arg_shapes[0].shape, HEADS)
         rows = _size_along(operand_kinds[0], arg_shapes[0].shape, SEQUENCE)
 
@@ -227,7 +229,9 @@ def partitioned(fn: Callable, operand_kinds: Sequence[Kind], result_kinds: Seque
                 outs = rows_fn(jax.lax.axis_index(split.rows) * local_rows, rows, *operands)
             else:
                 outs = fn(*operands)
-            return tuple(_summed(k, shape, split, x) for k, shape, x in zip(result_kinds, global_shapes, outs))
+            # a part of a sum may come in a wider dtype (rows_fn's float32 dK, dV), rounded once summed
+            return tuple(_summed(k, shape, split, x).astype(dtype)
+                         for k, shape, dtype, x in zip(result_kinds, global_shapes, dtypes, outs))
 
         return mesh, lower, results, args
 

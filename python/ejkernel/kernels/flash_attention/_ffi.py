@@ -289,9 +289,10 @@ def _forward_kernel(static: _Static):
     return kernel
 
 
-def _backward_kernel(static: _Static, operands: int, dbias_dtype: str):
+def _backward_kernel(static: _Static, operands: int, dbias_dtype: str, float32_keys: bool = False):
     """The backward FFI call: (q, k, v, out, dout, lse, dlse, *optional) -> (dq, dk, dv, dbias,
-    daux), with the `operands` bits of this backward."""
+    daux), with the `operands` bits of this backward; float32_keys: dk and dv in float32,
+    unrounded (a part of a sum to be rounded once)."""
     target = f"ejkernel_flash_attention_bwd_{static.platform}"
     wants_dbias = bool(operands & _HAS_BIAS) and not operands & _NO_BIAS_GRAD
 
@@ -299,8 +300,8 @@ def _backward_kernel(static: _Static, operands: int, dbias_dtype: str):
         bias, aux = optional[_BIAS], optional[_AUX]
         results = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(k.shape, jnp.float32 if float32_keys else k.dtype),
+            jax.ShapeDtypeStruct(v.shape, jnp.float32 if float32_keys else v.dtype),
             jax.ShapeDtypeStruct(bias.shape, dbias_dtype) if wants_dbias
             else jax.ShapeDtypeStruct((0,), jnp.float32),
             jax.ShapeDtypeStruct(aux.shape, jnp.float32),
@@ -328,16 +329,13 @@ def _rows_call(static: _Static, operands: int, make_kernel, *, queries: list[int
     packed alignment (i + keys - part rows) lands there. Not with a bias or mask (their
     planes would have to be split by rows), packed sequences or segment ids of the caller's
     own, dropout (its masks are drawn by row), or a window bounded on the right. Results over
-    the keys (dK, dV) are each device's rows' part of a sum, which the kernel rounds to the
-    inputs' dtype: summed over the devices in bf16/f16 they would be rounded once per device,
-    not once, so only float32 calls that return them split their rows.
+    the keys (dK, dV) are each device's rows' part of a sum: make_kernel returns them in
+    float32, which the partitioned call sums and then rounds once.
     make_kernel(static) builds the FFI call; queries, keys, stats: the arguments of the
     query's rows ([batch, rows, heads, dim]), of the keys and of per-row statistics ([batch,
     heads, rows]), the optional operands following them; out_*: the same for the results."""
     signature = json.loads(static.signature)
     if static.dropout_prob > 0.0 or operands & (_HAS_BIAS | _HAS_MASK | _HAS_CU_SEQLENS | _HAS_SEGMENT_IDS):
-        return None
-    if out_keys and signature["dtype"] != "float32":
         return None
     if not static.causal and static.window_right != 0:
         if static.window_left != -1 or static.window_right != -1:
@@ -423,7 +421,7 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
         dropout_seed=7 + _SEED if static.dropout_prob > 0.0 else None,
         rows_fn=_rows_call(static, operands,
                            lambda rows_static: _backward_kernel(rows_static, rows_static.operands | operands,
-                                                                dbias_dtype),
+                                                                dbias_dtype, float32_keys=True),
                            queries=[0, 3, 4], keys=[1, 2], stats=[5, 6], out_rows=[0], out_keys=[1, 2], out_stats=[]))
 
     @jax.custom_batching.custom_vmap

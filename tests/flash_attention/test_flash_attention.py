@@ -1115,7 +1115,12 @@ VMAP_CASES = [
     # keys in sequences of their own.
     (Case("vmap_packed", varlen=VARLEN, causal=True, window=(12, 2), soft_cap=5.0), None, True, True),
     (Case("vmap_packed_shared_kv", varlen=VARLEN, causal=True), {"query"}, True, True),
-    (Case("vmap_packed_sinks", varlen=VARLEN, sinks=True), {"query", "key", "value"}, False, False),
+    # Sinks (one per head) fold the mapped axis into the heads instead, each element's heads
+    # (and GQA groups) a run of them: mapped sinks, and packed sequences with shared ones.
+    (Case("vmap_mapped_sinks_gqa", q_heads=4, kv_heads=2, seq_q=37, seq_k=50, causal=True, sinks=True,
+          segments=True), {"query", "key", "value", "softmax_aux"}, True, True),
+    (Case("vmap_packed_sinks", varlen=VARLEN, sinks=True), {"query", "key", "value"}, True, True),
+    (Case("vmap_mapped_sinks_shared_kv", seq_q=37, seq_k=50, sinks=True), {"query", "softmax_aux"}, False, False),
 ]
 
 

@@ -220,6 +220,46 @@ def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: l
     return folded
 
 
+def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
+                  rows: list[int], keys: list[int], stats: list[int], first_optional: int) -> list[Any] | None:
+    """A vmapped call as one call over axis_size * heads heads, element n's q heads (and its
+    key/value heads) the n-th run of them, so that GQA groups stay whole: for calls whose
+    rows cannot fold into the batch because of their sinks (one per head: mapped sinks are
+    element n's heads' own; shared ones repeat) or their packed sequences. args[i] for i in
+    `rows` is [batch, seq_q, heads, dim], in `keys` [batch, seq_k, kv heads, dim] and mapped,
+    in `stats` [batch, heads, seq_q]. None with dropout (masks are drawn by head), a bias or
+    mask (a plane per folded head would be copies), or mapped segment ids or cum_seqlens."""
+    if static.dropout_prob > 0.0 or operands & (_HAS_BIAS | _HAS_MASK):
+        return None
+    aux = first_optional + _AUX
+    if any(b and i not in {*rows, *keys, *stats, aux} for i, b in enumerate(in_batched)):
+        return None
+    if not all(in_batched[i] for i in keys):  # shared keys would be copied per element
+        return None
+    mapped = functools.partial(_mapped, args, in_batched, axis_size)
+    folded = list(args)
+    for i in rows + keys:  # [n, b, s, h, d] -> [b, s, n * h, d]
+        x = mapped(i)
+        folded[i] = x.transpose(1, 2, 0, 3, 4).reshape(*x.shape[1:3], axis_size * x.shape[3], x.shape[4])
+    for i in stats:  # [n, b, h, s] -> [b, n * h, s]; a [0] placeholder stays
+        if args[i].ndim > 1:
+            x = mapped(i)
+            folded[i] = x.transpose(1, 0, 2, 3).reshape(x.shape[1], axis_size * x.shape[2], x.shape[3])
+    if operands & _HAS_AUX:
+        folded[aux] = mapped(aux).reshape(-1)
+    return folded
+
+
+def _unfold_heads(x: Any, axis_size: int) -> Any:
+    """[b, s, n * h, d] -> [n, b, s, h, d]"""
+    return x.reshape(*x.shape[:2], axis_size, x.shape[2] // axis_size, x.shape[3]).transpose(2, 0, 1, 3, 4)
+
+
+def _unfold_heads_stats(x: Any, axis_size: int) -> Any:
+    """[b, n * h, s] -> [n, b, h, s]"""
+    return x.reshape(x.shape[0], axis_size, x.shape[1] // axis_size, x.shape[2]).transpose(1, 0, 2, 3)
+
+
 def _unfold_packed(x: Any, axis_size: int) -> Any:
     """[1, n * seq, ...] -> [n, 1, seq, ...]"""
     return x.reshape(axis_size, 1, x.shape[1] // axis_size, *x.shape[2:])
@@ -269,7 +309,8 @@ def _sink_grads(axis_size: int, in_batched: list[bool], args: list[Any], operand
 # One function per static (which holds the call's shapes): bounded, so that a process seeing
 # many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
 # call runs once over the mapped elements' rows folded into its batch where that gives the
-# same result (_folded), else once per element.
+# same result (_folded; packed sequences end to end, _folded_packed), else over their heads
+# (_folded_heads), else once per element.
 def _forward_kernel(static: _Static):
     """The forward FFI call: (q, k, v, *optional) -> (out, lse)."""
     target = f"ejkernel_flash_attention_fwd_{static.platform}"
@@ -402,10 +443,14 @@ def _forward_call(static: _Static):
                 out, lse = call(*folded)
                 return (_unfold_packed(out, axis_size), _unfold_packed_stats(lse, axis_size)), (True, True)
         folded = _folded(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], 3)
-        if folded is None:
-            return _map_sequentially(call, axis_size, in_batched, args)
-        out, lse = call(*folded)
-        return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
+        if folded is not None:
+            out, lse = call(*folded)
+            return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
+        folded = _folded_heads(static, static.operands, axis_size, list(in_batched), list(args), [0], [1, 2], [], 3)
+        if folded is not None:
+            out, lse = call(*folded)
+            return (_unfold_heads(out, axis_size), _unfold_heads_stats(lse, axis_size)), (True, True)
+        return _map_sequentially(call, axis_size, in_batched, args)
 
     return call
 
@@ -444,7 +489,14 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
         shared_dbias = wants_dbias and not in_batched[7 + _BIAS]
         folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
         if folded is None:
-            return _map_sequentially(call, axis_size, in_batched, args)
+            folded = _folded_heads(static, operands, axis_size, list(in_batched), list(args), [0, 3, 4], [1, 2],
+                                   [5, 6], 7)
+            if folded is None:
+                return _map_sequentially(call, axis_size, in_batched, args)
+            dq, dk, dv, dbias, daux = call(*folded)
+            grads = (_unfold_heads(dq, axis_size), _unfold_heads(dk, axis_size), _unfold_heads(dv, axis_size), dbias,
+                     daux.reshape(axis_size, -1) if operands & _HAS_AUX else daux)
+            return grads, (True, True, True, False, bool(operands & _HAS_AUX))
         dq, dk, dv, dbias, daux = call(*folded)
         if operands & _HAS_AUX:  # shared sinks (mapped ones do not fold): the folded sum is split
             daux = _sink_grads(axis_size, in_batched, args, operands)

@@ -1102,7 +1102,7 @@ def test_deterministic_backward_repeats_bitwise(impl, case: Case, rng):
 # (case, inputs mapped by vmap (None: all), whether the native forward and backward fold the
 # mapped axis into the batch: one call, not a loop over the mapped elements).
 VMAP_CASES = [
-    (Case("vmap_sinks", batch=1, seq_q=37, seq_k=50, causal=True, bias="1H", sinks=True), None, False, False),
+    (Case("vmap_sinks", batch=1, seq_q=37, seq_k=50, causal=True, bias="1H", sinks=True), None, True, True),
     (Case("vmap_shared_sinks", seq_q=37, seq_k=50, bias="BH", sinks=True), {"query", "key", "value", "bias"},
      True, True),
     (Case("vmap_bias_per_row", seq_q=45, seq_k=70, causal=True, bias="BH"), None, True, True),
@@ -1118,9 +1118,17 @@ VMAP_CASES = [
     # Sinks (one per head) fold the mapped axis into the heads instead, each element's heads
     # (and GQA groups) a run of them: mapped sinks, and packed sequences with shared ones.
     (Case("vmap_mapped_sinks_gqa", q_heads=4, kv_heads=2, seq_q=37, seq_k=50, causal=True, sinks=True,
-          segments=True), {"query", "key", "value", "softmax_aux"}, True, True),
+          segments=True, bias="BH"), {"query", "key", "value", "softmax_aux", "bias"}, True, True),
     (Case("vmap_packed_sinks", varlen=VARLEN, sinks=True), {"query", "key", "value"}, True, True),
     (Case("vmap_mapped_sinks_shared_kv", seq_q=37, seq_k=50, sinks=True), {"query", "softmax_aux"}, False, False),
+    # A shared bias or mask broadcast over the heads folds as it is; the gradient of a shared
+    # bias does not fold (it would sum the elements').
+    (Case("vmap_mapped_sinks_shared_mask", q_heads=4, kv_heads=2, seq_q=37, seq_k=50, sinks=True, mask="B1",
+          bias="1H", bias_constant=True), {"query", "key", "value", "softmax_aux", "bias"}, True, True),
+    (Case("vmap_mapped_sinks_shared_bias_grad", seq_q=37, seq_k=50, sinks=True, bias="B1"),
+     {"query", "key", "value", "softmax_aux"}, True, False),
+    (Case("vmap_packed_bias", varlen=VARLEN, causal=True, bias="1H", mask="11"), {"query", "key", "value", "bias"},
+     True, True),
 ]
 
 

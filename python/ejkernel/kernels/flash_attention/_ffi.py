@@ -221,23 +221,35 @@ def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: l
 
 
 def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
-                  rows: list[int], keys: list[int], stats: list[int], first_optional: int) -> list[Any] | None:
+                  rows: list[int], keys: list[int], stats: list[int], first_optional: int,
+                  bias_grad: bool = False) -> list[Any] | None:
     """A vmapped call as one call over axis_size * heads heads, element n's q heads (and its
     key/value heads) the n-th run of them, so that GQA groups stay whole: for calls whose
     rows cannot fold into the batch because of their sinks (one per head: mapped sinks are
     element n's heads' own; shared ones repeat) or their packed sequences. args[i] for i in
     `rows` is [batch, seq_q, heads, dim], in `keys` [batch, seq_k, kv heads, dim] and mapped,
-    in `stats` [batch, heads, seq_q]. None with dropout (masks are drawn by head), a bias or
-    mask (a plane per folded head would be copies), or mapped segment ids or cum_seqlens."""
-    if static.dropout_prob > 0.0 or operands & (_HAS_BIAS | _HAS_MASK):
+    in `stats` [batch, heads, seq_q]. A bias or mask folds where it is mapped with a plane per
+    head, or shared and broadcast over the heads (not where the call returns the bias's
+    gradient, `bias_grad`: it would sum the elements'). None with dropout (masks are drawn by head), other biases or masks (their
+    planes would be copied per element), or mapped segment ids or cum_seqlens."""
+    if static.dropout_prob > 0.0:
         return None
     aux = first_optional + _AUX
-    if any(b and i not in {*rows, *keys, *stats, aux} for i, b in enumerate(in_batched)):
+    dense = [i for i, bit in ((first_optional + _BIAS, _HAS_BIAS), (first_optional + _MASK, _HAS_MASK))
+             if operands & bit]
+    if any(b and i not in {*rows, *keys, *stats, aux, *dense} for i, b in enumerate(in_batched)):
         return None
     if not all(in_batched[i] for i in keys):  # shared keys would be copied per element
         return None
     mapped = functools.partial(_mapped, args, in_batched, axis_size)
+    heads = args[rows[0]].shape[2 + int(in_batched[rows[0]])]
     folded = list(args)
+    for i in dense:
+        if in_batched[i] and args[i].shape[2] == heads:  # [n, b, h, sq, sk] -> [b, n * h, sq, sk]
+            x = args[i]
+            folded[i] = x.transpose(1, 0, 2, 3, 4).reshape(x.shape[1], axis_size * heads, *x.shape[3:])
+        elif in_batched[i] or args[i].shape[1] != 1 or (bias_grad and i == first_optional + _BIAS):
+            return None
     for i in rows + keys:  # [n, b, s, h, d] -> [b, s, n * h, d]
         x = mapped(i)
         folded[i] = x.transpose(1, 2, 0, 3, 4).reshape(*x.shape[1:3], axis_size * x.shape[3], x.shape[4])
@@ -253,6 +265,11 @@ def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: li
 def _unfold_heads(x: Any, axis_size: int) -> Any:
     """[b, s, n * h, d] -> [n, b, s, h, d]"""
     return x.reshape(*x.shape[:2], axis_size, x.shape[2] // axis_size, x.shape[3]).transpose(2, 0, 1, 3, 4)
+
+
+def _unfold_heads_planes(x: Any, axis_size: int) -> Any:
+    """[b, n * h, sq, sk] -> [n, b, h, sq, sk]"""
+    return x.reshape(x.shape[0], axis_size, x.shape[1] // axis_size, *x.shape[2:]).transpose(1, 0, 2, 3, 4)
 
 
 def _unfold_heads_stats(x: Any, axis_size: int) -> Any:
@@ -490,13 +507,14 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
         folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
         if folded is None:
             folded = _folded_heads(static, operands, axis_size, list(in_batched), list(args), [0, 3, 4], [1, 2],
-                                   [5, 6], 7)
+                                   [5, 6], 7, bias_grad=wants_dbias)
             if folded is None:
                 return _map_sequentially(call, axis_size, in_batched, args)
             dq, dk, dv, dbias, daux = call(*folded)
-            grads = (_unfold_heads(dq, axis_size), _unfold_heads(dk, axis_size), _unfold_heads(dv, axis_size), dbias,
+            grads = (_unfold_heads(dq, axis_size), _unfold_heads(dk, axis_size), _unfold_heads(dv, axis_size),
+                     _unfold_heads_planes(dbias, axis_size) if wants_dbias else dbias,
                      daux.reshape(axis_size, -1) if operands & _HAS_AUX else daux)
-            return grads, (True, True, True, False, bool(operands & _HAS_AUX))
+            return grads, (True, True, True, wants_dbias, bool(operands & _HAS_AUX))
         dq, dk, dv, dbias, daux = call(*folded)
         if operands & _HAS_AUX:  # shared sinks (mapped ones do not fold): the folded sum is split
             daux = _sink_grads(axis_size, in_batched, args, operands)

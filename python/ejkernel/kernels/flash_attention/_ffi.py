@@ -230,8 +230,9 @@ def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: li
     `rows` is [batch, seq_q, heads, dim], in `keys` [batch, seq_k, kv heads, dim] and mapped,
     in `stats` [batch, heads, seq_q]. A bias or mask folds where it is mapped with a plane per
     head, or shared and broadcast over the heads (not where the call returns the bias's
-    gradient, `bias_grad`: it would sum the elements'). None with dropout (masks are drawn by head), other biases or masks (their
-    planes would be copied per element), or mapped segment ids or cum_seqlens."""
+    gradient, `bias_grad`: it would sum the elements'). None with dropout (masks are drawn by
+    head), other biases or masks (their planes would be copied per element), or mapped
+    segment ids or cum_seqlens."""
     if static.dropout_prob > 0.0:
         return None
     aux = first_optional + _AUX
@@ -245,36 +246,31 @@ def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: li
     heads = args[rows[0]].shape[2 + int(in_batched[rows[0]])]
     folded = list(args)
     for i in dense:
-        if in_batched[i] and args[i].shape[2] == heads:  # [n, b, h, sq, sk] -> [b, n * h, sq, sk]
-            x = args[i]
-            folded[i] = x.transpose(1, 0, 2, 3, 4).reshape(x.shape[1], axis_size * heads, *x.shape[3:])
+        if in_batched[i] and args[i].shape[2] == heads:
+            folded[i] = _fold_heads(args[i], 1)
         elif in_batched[i] or args[i].shape[1] != 1 or (bias_grad and i == first_optional + _BIAS):
             return None
-    for i in rows + keys:  # [n, b, s, h, d] -> [b, s, n * h, d]
-        x = mapped(i)
-        folded[i] = x.transpose(1, 2, 0, 3, 4).reshape(*x.shape[1:3], axis_size * x.shape[3], x.shape[4])
-    for i in stats:  # [n, b, h, s] -> [b, n * h, s]; a [0] placeholder stays
-        if args[i].ndim > 1:
-            x = mapped(i)
-            folded[i] = x.transpose(1, 0, 2, 3).reshape(x.shape[1], axis_size * x.shape[2], x.shape[3])
+    for i in rows + keys:
+        folded[i] = _fold_heads(mapped(i), 2)
+    for i in stats:
+        if args[i].ndim > 1:  # a [0] placeholder stays
+            folded[i] = _fold_heads(mapped(i), 1)
     if operands & _HAS_AUX:
-        folded[aux] = mapped(aux).reshape(-1)
+        folded[aux] = _fold_heads(mapped(aux), 0)
     return folded
 
 
-def _unfold_heads(x: Any, axis_size: int) -> Any:
-    """[b, s, n * h, d] -> [n, b, s, h, d]"""
-    return x.reshape(*x.shape[:2], axis_size, x.shape[2] // axis_size, x.shape[3]).transpose(2, 0, 1, 3, 4)
+def _fold_heads(x: Any, axis: int) -> Any:
+    """[n, ...] with its heads at `axis` of the rest -> the rest with n * heads there, element
+    n's the n-th run: [n, b, s, h, d] -> [b, s, n * h, d] (axis 2)."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
 
 
-def _unfold_heads_planes(x: Any, axis_size: int) -> Any:
-    """[b, n * h, sq, sk] -> [n, b, h, sq, sk]"""
-    return x.reshape(x.shape[0], axis_size, x.shape[1] // axis_size, *x.shape[2:]).transpose(1, 0, 2, 3, 4)
-
-
-def _unfold_heads_stats(x: Any, axis_size: int) -> Any:
-    """[b, n * h, s] -> [n, b, h, s]"""
-    return x.reshape(x.shape[0], axis_size, x.shape[1] // axis_size, x.shape[2]).transpose(1, 0, 2, 3)
+def _unfold_heads(x: Any, axis_size: int, axis: int) -> Any:
+    """_fold_heads undone: [b, s, n * h, d] -> [n, b, s, h, d] (axis 2)."""
+    x = x.reshape(*x.shape[:axis], axis_size, x.shape[axis] // axis_size, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
 
 
 def _unfold_packed(x: Any, axis_size: int) -> Any:
@@ -466,7 +462,7 @@ def _forward_call(static: _Static):
         folded = _folded_heads(static, static.operands, axis_size, list(in_batched), list(args), [0], [1, 2], [], 3)
         if folded is not None:
             out, lse = call(*folded)
-            return (_unfold_heads(out, axis_size), _unfold_heads_stats(lse, axis_size)), (True, True)
+            return (_unfold_heads(out, axis_size, 2), _unfold_heads(lse, axis_size, 1)), (True, True)
         return _map_sequentially(call, axis_size, in_batched, args)
 
     return call
@@ -511,9 +507,9 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
             if folded is None:
                 return _map_sequentially(call, axis_size, in_batched, args)
             dq, dk, dv, dbias, daux = call(*folded)
-            grads = (_unfold_heads(dq, axis_size), _unfold_heads(dk, axis_size), _unfold_heads(dv, axis_size),
-                     _unfold_heads_planes(dbias, axis_size) if wants_dbias else dbias,
-                     daux.reshape(axis_size, -1) if operands & _HAS_AUX else daux)
+            grads = (*(_unfold_heads(x, axis_size, 2) for x in (dq, dk, dv)),
+                     _unfold_heads(dbias, axis_size, 1) if wants_dbias else dbias,
+                     _unfold_heads(daux, axis_size, 0) if operands & _HAS_AUX else daux)
             return grads, (True, True, True, wants_dbias, bool(operands & _HAS_AUX))
         dq, dk, dv, dbias, daux = call(*folded)
         if operands & _HAS_AUX:  # shared sinks (mapped ones do not fold): the folded sum is split

@@ -319,11 +319,6 @@ def _sink_grads(axis_size: int, in_batched: list[bool], args: list[Any], operand
     return grad
 
 
-# One function per static (which holds the call's shapes): bounded, so that a process seeing
-# many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
-# call runs once over the mapped elements' rows folded into its batch where that gives the
-# same result (_folded; packed sequences end to end, _folded_packed), else over their heads
-# (_folded_heads), else once per element.
 def _forward_kernel(static: _Static):
     """The forward FFI call: (q, k, v, *optional) -> (out, lse)."""
     target = f"ejkernel_flash_attention_fwd_{static.platform}"
@@ -435,6 +430,11 @@ def _packed_stats(x: Any) -> Any:
     return x if x.ndim == 1 else x.transpose(1, 0, 2).reshape(1, x.shape[1], -1)
 
 
+# One function per static (which holds the call's shapes): bounded, so that a process seeing
+# many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
+# call runs once over the mapped elements' rows folded into its batch where that gives the
+# same result (_folded; packed sequences end to end, _folded_packed), else over their heads
+# (_folded_heads), else once per element.
 @functools.lru_cache(maxsize=1024)
 def _forward_call(static: _Static):
     kernel = _forward_kernel(static)

@@ -221,7 +221,8 @@ struct KernelParams {
   int sink_dtype;
   int batch, seqlen_q, seqlen_k, num_q_heads, head_ratio;
   // Dense: m blocks per (batch, head). Packed sequences: an upper bound of the blocks of all
-  // sequences (block i of the bound maps to a sequence and a block of it, or to nothing).
+  // sequences (block i of the bound maps to a sequence and a block of it, or to nothing); in
+  // pairs, an even bound of twice their pairs too (PairPackedBlocks).
   int num_m_blocks;
   // Dense tiles come in sections of `section` (batch, head) pairs, m-block-major inside a
   // section (DenseTile); 1 is plain head-major order.
@@ -665,9 +666,14 @@ __device__ __forceinline__ void DenseTile(const KernelParams& p, int tile, int* 
   *m_block = p.num_m_blocks - 1 - row;
 }
 
-// Dense tiles: DenseTile's order. Packed sequences: the whole warp scans cu_seqlens (clamped) for the sequence holding block g of the packed order;
-// the rows past the last sequence form one more, key-less sequence.
-template <int kBlockM, int kBlockN>
+// Dense tiles: DenseTile's order. Packed sequences: the whole warp scans cu_seqlens (clamped)
+// for the sequence holding block g of the packed order, each sequence's blocks from its last
+// to its first; the rows past the last sequence form one more, key-less sequence. Packed and
+// paired (ScheduledTile, an even num_m_blocks m): block g < m / 2 is the first of pair g and
+// block m - 1 - g its second, a sequence of b blocks holds (b + 1) / 2 pairs, and its pair j
+// is its blocks b - 1 - j and j (none for the middle one's second). Only kernels with kPairs
+// compile the pairing.
+template <int kBlockM, int kBlockN, bool kPairs>
 __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int lane) {
   Tile t;
   t.padding = false;
@@ -681,8 +687,11 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
     t.k_len = p.seqlen_k;
   } else {
     t.q_begin = t.q_len = t.k_begin = t.k_len = 0;
-    const int g = p.div_m_blocks.Mod(tile);
-    int before = 0;  // blocks of the sequences already scanned
+    const int slot = p.div_m_blocks.Mod(tile);
+    const bool paired = kPairs && p.paired;
+    const bool second = paired && slot >= p.div_m_block_pairs.divisor;
+    const int g = second ? p.num_m_blocks - 1 - slot : slot;
+    int before = 0;  // blocks (pairs) of the sequences already scanned
     for (int base = 0; base <= p.num_sequences; base += 32) {
       const int i = base + lane;
       int qb = 0, qe = 0, kb = 0, ke = 0;
@@ -695,7 +704,8 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
         }
       }
       const int blocks = (qe - qb + kBlockM - 1) / kBlockM;
-      int inclusive = blocks;
+      const int units = paired ? (blocks + 1) >> 1 : blocks;
+      int inclusive = units;
 #pragma unroll
       for (int d = 1; d < 32; d *= 2) {
         const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
@@ -708,15 +718,17 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
         t.q_len = __shfl_sync(0xffffffffu, qe - qb, src);
         t.k_begin = __shfl_sync(0xffffffffu, kb, src);
         t.k_len = __shfl_sync(0xffffffffu, ke - kb, src);
-        const int first = before + __shfl_sync(0xffffffffu, inclusive - blocks, src);
-        m_block = __shfl_sync(0xffffffffu, blocks, src) - 1 - (g - first);
+        const int first = before + __shfl_sync(0xffffffffu, inclusive - units, src);
+        const int last = __shfl_sync(0xffffffffu, blocks, src) - 1;
+        const int j = g - first;
+        m_block = !second ? last - j : (j < last - j ? j : -1);
         t.padding = base + src == p.num_sequences;
         break;
       }
       before += __shfl_sync(0xffffffffu, inclusive, 31);
     }
   }
-  if (m_block < 0) {  // past the packed blocks: nothing to compute or store
+  if (m_block < 0) {  // past the packed blocks, or a middle block's second visit: nothing to do
     t.q_len = 0;
     m_block = 0;
   }
@@ -739,6 +751,7 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
 // head hold M + 1 key tiles together, and a block takes one pair per two turns (the middle
 // block of an odd M alone), in head-major order. Every block then gets the same work, and
 // concurrent blocks read the K and V of a few heads, which stay in L2.
+// A call of one long packed sequence pairs its blocks alike (DecodeTile).
 // Only kernels with kPairs compile the pairing (SmemLayout::kPairedSchedule).
 constexpr int kSkipRound = -2;
 template <bool kPairs>
@@ -880,7 +893,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
         const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
         if (kPairedSchedule && tile == kSkipRound) continue;
         if (tile < 0) break;
-        Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+        Tile t = DecodeTile<kBlockM, kBlockN, kPairedSchedule>(p, tile, lane);
         int head, batch;
         TileHead<kDense>(p, tile, &head, &batch);
         if constexpr (kSegments) NarrowToSegments(p, batch, t.m0 / kBlockM, t);
@@ -996,7 +1009,7 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
     const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
     if (kPairedSchedule && tile == kSkipRound) continue;
     if (tile < 0) break;
-    Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
+    Tile tl = DecodeTile<kBlockM, kBlockN, kPairedSchedule>(p, tile, lane);
     int q_slot = -1;  // this tile's Q slot, if it has key tiles
     // Accumulator fragment (per warp 16 rows): element 4j + 2r + c is row g + 8r, column 8j + 2t + c.
     const int row0 = tl.m0 + wg * 64 + warp * 16 + lane / 4;
@@ -1508,6 +1521,8 @@ Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, int64
 bool DenseSharedAcrossBatch(const DenseOperand& dense, const Dims& d);
 // Also the bias or mask (PrepareDenseOperand) for tiles of block_m rows.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
+// Packed sequences in pairs: widens num_m_blocks to an even bound of twice the pairs (DecodeTile).
+void PairPackedBlocks(KernelParams* kp);
 // Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of
 // their decode; PrepareKernelParams sets plain head-major order (1).
 void SetSection(int section, KernelParams* kp);
@@ -1546,14 +1561,20 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
   // A persistent grid's producer loads the next tile's Q, K and V while the consumers finish
   // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band;
   // packed sequences too, most blocks of their bound being empty. Short causal calls go in
-  // pairs of equal total length (C::kMaxPairedMBlocks).
+  // pairs of equal total length (C::kMaxPairedMBlocks), and so do causal calls of one long
+  // packed sequence (kPairedPackedSeqlen). Other packed calls walk back and forth: with
+  // several sequences of unknown lengths, a block in pairs met the same sequence's pairs turn
+  // after turn (4 random lengths around 8192: 2% slower paired; around 512: 16% slower).
   const ForwardCall call = ForwardCallOf(args.p, args.dims);
-  const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const bool band = IsBand(kp.left, kp.right, kp.seqlen_k);
   // Segment ids take the masked kernels' tiles whether or not a causal or window mask is on.
   const bool mask_on = kMasked && (!kSegments || CausalOrWindow(call));
   kp.paired = mask_on && C::kMaxPairedMBlocks > 0 &&
-              ShortCall(call, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k);
+              (kp.cu_seqlens_q != nullptr
+                   ? kp.num_sequences == 1 && kp.seqlen_q >= kPairedPackedSeqlen && !band
+                   : ShortCall(call, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k));
+  if (kp.paired && kp.cu_seqlens_q != nullptr) PairPackedBlocks(&kp);
+  const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const int64_t units =
       kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
   const bool persistent = kp.paired || !mask_on || band || kp.cu_seqlens_q != nullptr;

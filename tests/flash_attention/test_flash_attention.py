@@ -1508,6 +1508,23 @@ def test_xla_memory_is_linear(causal):
         assert temp < 8 * input_bytes, f"{temp} bytes of temporaries for {input_bytes}-byte inputs"
 
 
+@pytest.mark.parametrize("sequences", [24, 1])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
+def test_cuda_packed_tiles_outnumber_the_blocks(impl, sequences, causal, rng):
+    """Packed sequences of fresh random lengths (empty and length-1 ones among many, or one
+    followed by padding rows), with more tiles than several rounds of the Hopper forward's
+    persistent grid take."""
+    if impl.name != "cuda":
+        pytest.skip("the CUDA kernels' tile schedule")
+    if sequences == 1:
+        q_lengths = k_lengths = [int(rng.integers(1500, 2500))]
+    else:
+        q_lengths, k_lengths = ([int(x) for x in rng.choice([0, 1, *range(2, 400)], sequences)] for _ in range(2))
+    layout = _packed(q_lengths, k_lengths, int(rng.integers(0, 140)), int(rng.integers(0, 12)))
+    check_against_reference(impl, Case("packed_many_tiles", dtype="bfloat16", varlen=layout, q_heads=16, kv_heads=4,
+                                       head_dim=128, causal=causal), rng)
+
+
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90 GPU and the Hopper kernels")
 def test_cuda_deterministic_backward_survives_unordered_cum_seqlens(rng):
     """Offsets traced under jit are not checked; decreasing ones give meaningless values, but

@@ -383,7 +383,6 @@ def _rows_call(static: _Static, operands: int, make_kernel, *, queries: list[int
     make_kernel(static) builds the FFI call; queries, keys, stats: the arguments of the
     query's rows ([batch, rows, heads, dim]), of the keys and of per-row statistics ([batch,
     heads, rows]), the optional operands following them; out_*: the same for the results."""
-    signature = json.loads(static.signature)
     if static.dropout_prob > 0.0 or operands & (_HAS_BIAS | _HAS_MASK | _HAS_CU_SEQLENS | _HAS_SEGMENT_IDS):
         return None
     if not static.causal and static.window_right != 0:
@@ -391,6 +390,7 @@ def _rows_call(static: _Static, operands: int, make_kernel, *, queries: list[int
             return None
         kernel = make_kernel(static)
         return lambda first_row, rows, *args: kernel(*args)
+    signature = json.loads(static.signature)
     signature["features"] = sorted({*signature["features"], "cum_seqlens"})
     if _native.unsupported_reason(OP, static.platform, signature) is not None:
         return None

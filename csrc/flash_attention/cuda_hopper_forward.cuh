@@ -157,11 +157,16 @@ struct SmemLayout {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (1 + kWarpgroups);
-  // Registers: the producer warpgroup gives up all but 24 per thread, the consumers share the rest.
+  // Registers: the producer warpgroup gives up all but 24 per thread, the consumers share what
+  // it frees. setmaxnreg moves registers within the block's launch allocation, kThreads times
+  // the per-thread count (a multiple of 8), not the multiprocessor's 65536: at two consumer
+  // warpgroups that is 168 x 384, so a producer at 32 leaves the consumers 232, and asking
+  // for 240 there hung the kernel (H200).
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = (65536 / 128 - kProducerRegisters) / kWarpgroups / 8 * 8 > 240
-                                                ? 240
-                                                : (65536 / 128 - kProducerRegisters) / kWarpgroups / 8 * 8;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kConsumerShare =
+      (kLaunchRegisters * kThreads - 128 * kProducerRegisters) / (128 * kWarpgroups) / 8 * 8;
+  static constexpr int kConsumerRegisters = kConsumerShare > 240 ? 240 : kConsumerShare;
   // 64-column blocks of Q, K, V and O; the last one partly filled where 64 does not divide the
   // head dim (96).
   static constexpr int kColBlocks = (kHeadDim + 63) / 64;

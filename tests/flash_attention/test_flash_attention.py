@@ -1525,6 +1525,30 @@ def test_cuda_packed_tiles_outnumber_the_blocks(impl, sequences, causal, rng):
                                        head_dim=128, causal=causal), rng)
 
 
+def test_cuda_long_packed_sequence_matches_the_plain_call(impl, rng):
+    """One causal packed sequence of at least 16384 rows (the Hopper forward then runs its
+    tiles in pairs), with or without padding rows after it, against the plain call on the
+    sequence's rows: the same tiles, so the same outputs and LSE up to rounding."""
+    if impl.name != "cuda":
+        pytest.skip("the CUDA kernels' tile schedule")
+    from ejkernel.modules import flash_attention
+
+    length = int(rng.integers(16384, 16900))
+    rows = length + int(rng.choice([0, int(rng.integers(1, 140))]))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, rows, 8, 128)), jnp.bfloat16) for _ in range(3))
+    cu = jnp.asarray([0, length], jnp.int32)
+    out, lse = flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, platform="cuda",
+                               return_lse=True)
+    ref, ref_lse = flash_attention(q[:, :length], k[:, :length], v[:, :length], causal=True, platform="cuda",
+                                   return_lse=True)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out)), "non-finite outputs (padding rows included)"
+    error = np.linalg.norm(out[:, :length] - ref) / np.linalg.norm(ref)
+    assert error < 1e-2, f"packed against plain: relative error {error:.3g} (rows {rows}, sequence {length})"
+    lse_error = np.max(np.abs(np.asarray(lse)[..., :length] - np.asarray(ref_lse)))
+    assert lse_error < 1e-3, f"packed against plain: LSE off by {lse_error:.3g} (rows {rows}, sequence {length})"
+
+
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90 GPU and the Hopper kernels")
 def test_cuda_deterministic_backward_survives_unordered_cum_seqlens(rng):
     """Offsets traced under jit are not checked; decreasing ones give meaningless values, but

@@ -6,8 +6,8 @@ against one call per mapped element (jax.lax.map) and one call over the same bat
 
 Causal forward, and forward+backward of a sum of squares; then forward+backward with sinks
 shared by the mapped elements (their gradient per element), with sinks of each element's own
-(folded into the heads), and of packed sequences (three per element and some padding); best
-of three rounds of calls.
+(folded into the heads), and of packed sequences (three per element and some padding); the
+forward of query sets over shared keys and values; best of three rounds of calls.
 """
 
 from __future__ import annotations
@@ -70,6 +70,21 @@ def main() -> None:
                            reps=reps)
     print(f"{platform} forward+backward, mapped sinks: vmap {folded:.3f} ms, one call per element "
           f"{per_element:.3f} ms", flush=True)
+
+    # Query sets mapped over keys and values the elements share: the forward folds the
+    # elements' q heads into each key/value head's group, against the batch fold that the same
+    # call gets with the keys broadcast (copied per element).
+    def shared_kv(q):
+        return attention(q, k[0], v[0])
+
+    def copied_kv(q):
+        return jax.vmap(attention)(q, jnp.broadcast_to(k[0], k.shape), jnp.broadcast_to(v[0], v.shape))
+
+    folded = timed_ms(jax.vmap(shared_kv), q, reps=reps)
+    copied = timed_ms(copied_kv, q, reps=reps)
+    per_element = timed_ms(lambda q: jax.lax.map(shared_kv, q), q, reps=reps)
+    print(f"{platform} forward, shared keys and values: vmap {folded:.3f} ms, keys copied per element {copied:.3f} ms, "
+          f"one call per element {per_element:.3f} ms", flush=True)
 
     cu = jnp.asarray([0, seq * 3 // 8, seq * 5 // 8, seq * 15 // 16], jnp.int32)
     packed_grads = jax.grad(lambda q, k, v: jnp.sum(flash_attention(

@@ -222,17 +222,22 @@ def _folded_packed(static: _Static, operands: int, axis_size: int, in_batched: l
 
 def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: list[bool], args: list[Any],
                   rows: list[int], keys: list[int], stats: list[int], first_optional: int,
-                  bias_grad: bool = False) -> list[Any] | None:
-    """A vmapped call as one call over axis_size * heads heads, element n's q heads (and its
-    key/value heads) the n-th run of them, so that GQA groups stay whole: for calls whose
-    rows cannot fold into the batch because of their sinks (one per head: mapped sinks are
-    element n's heads' own; shared ones repeat) or their packed sequences. args[i] for i in
-    `rows` is [batch, seq_q, heads, dim], in `keys` [batch, seq_k, kv heads, dim] and mapped,
-    in `stats` [batch, heads, seq_q]. A bias or mask folds where it is mapped with a plane per
-    head, or shared and broadcast over the heads (not where the call returns the bias's
-    gradient, `bias_grad`: it would sum the elements'). None with dropout (masks are drawn by
-    head), other biases or masks (their planes would be copied per element), or mapped
-    segment ids or cum_seqlens."""
+                  bias_grad: bool = False, forward: bool = False) -> tuple[list[Any], int] | None:
+    """A vmapped call as one call over axis_size * heads heads: its arguments and the number of
+    head groups the fold keeps whole (_fold_heads), or None. For calls whose rows cannot fold
+    into the batch because of their sinks (one per head: mapped sinks are element n's heads'
+    own; shared ones repeat) or their packed sequences, and for forwards whose keys and values
+    the elements share. Mapped keys: element n's q heads (and its key/value heads) are the
+    n-th run of them (one group), so that GQA groups stay whole. Shared keys (`forward` only:
+    a backward owes each element its own dK and dV): every key/value head's group holds the
+    elements' q heads of that group in turn, so the call reads the shared keys as they are,
+    with GQA groups axis_size times larger. args[i] for i in `rows` is [batch, seq_q, heads,
+    dim], in `keys` [batch, seq_k, kv heads, dim], in `stats` [batch, heads, seq_q]. A bias or
+    mask folds where it is mapped with a plane per head, or shared and broadcast over the
+    heads (not where the call returns the bias's gradient, `bias_grad`: it would sum the
+    elements'). None with dropout (masks are drawn by head), other biases or masks (their
+    planes would be copied per element), mapped segment ids or cum_seqlens, or keys mapped
+    and values shared (or the reverse)."""
     if static.dropout_prob > 0.0:
         return None
     aux = first_optional + _AUX
@@ -240,36 +245,47 @@ def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: li
              if operands & bit]
     if any(b and i not in {*rows, *keys, *stats, aux, *dense} for i, b in enumerate(in_batched)):
         return None
-    if not all(in_batched[i] for i in keys):  # shared keys would be copied per element
+    shared_keys = not any(in_batched[i] for i in keys)
+    if shared_keys and not (forward and all(in_batched[i] for i in rows)):
         return None
+    if not shared_keys and not all(in_batched[i] for i in keys):  # shared keys would be copied per element
+        return None
+    groups = args[keys[0]].shape[2] if shared_keys else 1
     mapped = functools.partial(_mapped, args, in_batched, axis_size)
     heads = args[rows[0]].shape[2 + int(in_batched[rows[0]])]
     folded = list(args)
     for i in dense:
         if in_batched[i] and args[i].shape[2] == heads:
-            folded[i] = _fold_heads(args[i], 1)
+            folded[i] = _fold_heads(args[i], 1, groups)
         elif in_batched[i] or args[i].shape[1] != 1 or (bias_grad and i == first_optional + _BIAS):
             return None
-    for i in rows + keys:
-        folded[i] = _fold_heads(mapped(i), 2)
+    for i in rows + ([] if shared_keys else keys):
+        folded[i] = _fold_heads(mapped(i), 2, groups)
     for i in stats:
         if args[i].ndim > 1:  # a [0] placeholder stays
-            folded[i] = _fold_heads(mapped(i), 1)
+            folded[i] = _fold_heads(mapped(i), 1, groups)
     if operands & _HAS_AUX:
-        folded[aux] = _fold_heads(mapped(aux), 0)
-    return folded
+        folded[aux] = _fold_heads(mapped(aux), 0, groups)
+    return folded, groups
 
 
-def _fold_heads(x: Any, axis: int) -> Any:
-    """[n, ...] with its heads at `axis` of the rest -> the rest with n * heads there, element
-    n's the n-th run: [n, b, s, h, d] -> [b, s, n * h, d] (axis 2)."""
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+def _fold_heads(x: Any, axis: int, groups: int = 1) -> Any:
+    """[n, ...] with h heads at `axis` of the rest -> the rest with n * h heads there, in
+    `groups` runs of h / groups heads of element 0, then of element 1, ...: with one group
+    [n, b, s, h, d] -> [b, s, n * h, d] (axis 2), element n's heads the n-th run."""
+    n, h = x.shape[0], x.shape[axis + 1]
+    x = jnp.moveaxis(x, 0, axis)  # [..., n, h, ...]
+    x = x.reshape(*x.shape[:axis], n, groups, h // groups, *x.shape[axis + 2:])
+    x = jnp.swapaxes(x, axis, axis + 1)  # [..., groups, n, h / groups, ...]
+    return x.reshape(*x.shape[:axis], n * h, *x.shape[axis + 3:])
 
 
-def _unfold_heads(x: Any, axis_size: int, axis: int) -> Any:
+def _unfold_heads(x: Any, axis_size: int, axis: int, groups: int = 1) -> Any:
     """_fold_heads undone: [b, s, n * h, d] -> [n, b, s, h, d] (axis 2)."""
-    x = x.reshape(*x.shape[:axis], axis_size, x.shape[axis] // axis_size, *x.shape[axis + 1:])
+    per_group = x.shape[axis] // (groups * axis_size)
+    x = x.reshape(*x.shape[:axis], groups, axis_size, per_group, *x.shape[axis + 1:])
+    x = jnp.swapaxes(x, axis, axis + 1)  # [..., n, groups, h / groups, ...]
+    x = x.reshape(*x.shape[:axis], axis_size, groups * per_group, *x.shape[axis + 3:])
     return jnp.moveaxis(x, axis, 0)
 
 
@@ -434,7 +450,8 @@ def _packed_stats(x: Any) -> Any:
 # many shapes does not keep every one; an evicted entry is only rebuilt. Under jax.vmap a
 # call runs once over the mapped elements' rows folded into its batch where that gives the
 # same result (_folded; packed sequences end to end, _folded_packed), else over their heads
-# (_folded_heads), else once per element.
+# (_folded_heads), else once per element; a forward whose keys the elements share folds over
+# the heads first (no copy of the keys per element).
 @functools.lru_cache(maxsize=1024)
 def _forward_call(static: _Static):
     kernel = _forward_kernel(static)
@@ -450,6 +467,15 @@ def _forward_call(static: _Static):
 
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *args):
+        def run_folded_heads(folded, groups):
+            out, lse = call(*folded)
+            return (_unfold_heads(out, axis_size, 2, groups), _unfold_heads(lse, axis_size, 1, groups)), (True, True)
+
+        if not (in_batched[1] or in_batched[2]):  # shared keys: no copy of them per element
+            folded = _folded_heads(static, static.operands, axis_size, list(in_batched), list(args), [0], [1, 2], [],
+                                   3, forward=True)
+            if folded is not None:
+                return run_folded_heads(*folded)
         if static.operands & _HAS_CU_SEQLENS:
             folded = _folded_packed(static, static.operands, axis_size, list(in_batched), list(args), [0, 1, 2], [], 3)
             if folded is not None:
@@ -461,8 +487,7 @@ def _forward_call(static: _Static):
             return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
         folded = _folded_heads(static, static.operands, axis_size, list(in_batched), list(args), [0], [1, 2], [], 3)
         if folded is not None:
-            out, lse = call(*folded)
-            return (_unfold_heads(out, axis_size, 2), _unfold_heads(lse, axis_size, 1)), (True, True)
+            return run_folded_heads(*folded)
         return _map_sequentially(call, axis_size, in_batched, args)
 
     return call
@@ -506,7 +531,7 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
                                    [5, 6], 7, bias_grad=wants_dbias)
             if folded is None:
                 return _map_sequentially(call, axis_size, in_batched, args)
-            dq, dk, dv, dbias, daux = call(*folded)
+            dq, dk, dv, dbias, daux = call(*folded[0])
             grads = (*(_unfold_heads(x, axis_size, 2) for x in (dq, dk, dv)),
                      _unfold_heads(dbias, axis_size, 1) if wants_dbias else dbias,
                      _unfold_heads(daux, axis_size, 0) if operands & _HAS_AUX else daux)

@@ -1121,11 +1121,13 @@ VMAP_CASES = [
           segments=True, bias="BH"), {"query", "key", "value", "softmax_aux", "bias"}, True, True),
     (Case("vmap_packed_sinks", varlen=VARLEN, sinks=True), {"query", "key", "value"}, True, True),
     # Keys and values the elements share: the forward folds the elements' q heads into each
-    # key/value head's group (no copy of the keys); the backward owes each element its own dK
-    # and dV, so with mapped sinks it runs per element.
-    (Case("vmap_mapped_sinks_shared_kv", seq_q=37, seq_k=50, sinks=True), {"query", "softmax_aux"}, True, False),
+    # key/value head's group (no copy of the keys); the backward, which owes each element its
+    # own dK and dV, folds with the keys copied per element.
+    (Case("vmap_mapped_sinks_shared_kv", seq_q=37, seq_k=50, sinks=True), {"query", "softmax_aux"}, True, True),
     (Case("vmap_shared_kv_gqa", q_heads=4, kv_heads=2, seq_q=37, seq_k=50, causal=True, sinks=True, bias="BH",
-          mask="B1"), {"query", "softmax_aux", "bias"}, True, False),
+          mask="B1"), {"query", "softmax_aux", "bias"}, True, True),
+    (Case("vmap_mapped_sinks_shared_value", seq_q=37, seq_k=50, sinks=True), {"query", "key", "softmax_aux"},
+     True, True),
     (Case("vmap_packed_shared_kv_gqa", varlen=VARLEN, q_heads=6, kv_heads=2, causal=True, window=(12, 2)),
      {"query"}, True, True),
     # A shared bias or mask broadcast over the heads folds as it is; the gradient of a shared

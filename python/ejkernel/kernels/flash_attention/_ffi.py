@@ -227,17 +227,17 @@ def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: li
     head groups the fold keeps whole (_fold_heads), or None. For calls whose rows cannot fold
     into the batch because of their sinks (one per head: mapped sinks are element n's heads'
     own; shared ones repeat) or their packed sequences, and for forwards whose keys and values
-    the elements share. Mapped keys: element n's q heads (and its key/value heads) are the
-    n-th run of them (one group), so that GQA groups stay whole. Shared keys (`forward` only:
-    a backward owes each element its own dK and dV): every key/value head's group holds the
-    elements' q heads of that group in turn, so the call reads the shared keys as they are,
-    with GQA groups axis_size times larger. args[i] for i in `rows` is [batch, seq_q, heads,
-    dim], in `keys` [batch, seq_k, kv heads, dim], in `stats` [batch, heads, seq_q]. A bias or
-    mask folds where it is mapped with a plane per head, or shared and broadcast over the
-    heads (not where the call returns the bias's gradient, `bias_grad`: it would sum the
-    elements'). None with dropout (masks are drawn by head), other biases or masks (their
-    planes would be copied per element), mapped segment ids or cum_seqlens, or keys mapped
-    and values shared (or the reverse)."""
+    the elements share. A `forward` of mapped queries over shared keys and values: every
+    key/value head's group holds the elements' q heads of that group in turn, so the call
+    reads the shared keys as they are, with GQA groups axis_size times larger. Otherwise
+    element n's q heads (and its key/value heads) are the n-th run of them (one group), so
+    that GQA groups stay whole, and a shared q, k or v is copied per element as the batch fold
+    copies it (a backward owes each element its own dK and dV anyway). args[i] for i in `rows`
+    is [batch, seq_q, heads, dim], in `keys` [batch, seq_k, kv heads, dim], in `stats` [batch,
+    heads, seq_q]. A bias or mask folds where it is mapped with a plane per head, or shared and
+    broadcast over the heads (not where the call returns the bias's gradient, `bias_grad`: it
+    would sum the elements'). None with dropout (masks are drawn by head), other biases or
+    masks (their planes would be copied per element), or mapped segment ids or cum_seqlens."""
     if static.dropout_prob > 0.0:
         return None
     aux = first_optional + _AUX
@@ -245,11 +245,7 @@ def _folded_heads(static: _Static, operands: int, axis_size: int, in_batched: li
              if operands & bit]
     if any(b and i not in {*rows, *keys, *stats, aux, *dense} for i, b in enumerate(in_batched)):
         return None
-    shared_keys = not any(in_batched[i] for i in keys)
-    if shared_keys and not (forward and all(in_batched[i] for i in rows)):
-        return None
-    if not shared_keys and not all(in_batched[i] for i in keys):  # shared keys would be copied per element
-        return None
+    shared_keys = forward and all(in_batched[i] for i in rows) and not any(in_batched[i] for i in keys)
     groups = args[keys[0]].shape[2] if shared_keys else 1
     mapped = functools.partial(_mapped, args, in_batched, axis_size)
     heads = args[rows[0]].shape[2 + int(in_batched[rows[0]])]

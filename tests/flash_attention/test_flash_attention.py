@@ -1110,6 +1110,13 @@ VMAP_CASES = [
      {"query", "q_segment_ids", "kv_segment_ids"}, True, True),
     (Case("vmap_shared_bias_grad", seq_q=40, seq_k=56, bias="11", window=(9, 4)),
      {"query", "key", "value"}, True, False),
+    # One batch row per element (per-example gradients): the backward copies the shared bias
+    # per element, the size of its per-element gradient, and folds (with mapped sinks, into
+    # the heads; the forward, which would not copy a per-head bias, runs per element there).
+    (Case("vmap_shared_bias_grad_one_row", batch=1, seq_q=40, seq_k=56, bias="1H", causal=True),
+     {"query", "key", "value"}, True, True),
+    (Case("vmap_mapped_sinks_shared_bias_grad_one_row", batch=1, seq_q=40, seq_k=56, bias="1H", sinks=True),
+     {"query", "key", "value", "softmax_aux"}, False, True),
     (Case("vmap_dropout", seq_q=40, seq_k=56, dropout=0.2), None, False, False),
     # Packed sequences fold end to end along the sequence axis, each element's padding rows and
     # keys in sequences of their own.

@@ -519,12 +519,19 @@ def _backward_call(static: _Static, operands: int, dbias_dtype: str):
                          dbias, daux)
                 return grads, (True, True, True, False, False)
         # The gradient of a bias that the mapped elements share is a sum over rows, and vmap
-        # wants one per element: the kernel would have to see a copy of the bias per element.
+        # wants one per element: the kernel has to see a copy of the bias per element. Where
+        # each element has one batch row (per-example gradients), that copy is the size of
+        # the per-element gradient and folds; otherwise the call runs per element.
+        fold_batched, fold_args = list(in_batched), list(args)
         shared_dbias = wants_dbias and not in_batched[7 + _BIAS]
-        folded = None if shared_dbias else _folded(static, operands, axis_size, list(in_batched), list(args), rows, 7)
+        if shared_dbias and args[7 + _BIAS].shape[0] == 1 and args[0].shape[int(in_batched[0])] == 1:
+            fold_args[7 + _BIAS] = _mapped(args, in_batched, axis_size, 7 + _BIAS)
+            fold_batched[7 + _BIAS] = True
+            shared_dbias = False
+        folded = None if shared_dbias else _folded(static, operands, axis_size, fold_batched, fold_args, rows, 7)
         if folded is None:
-            folded = _folded_heads(static, operands, axis_size, list(in_batched), list(args), [0, 3, 4], [1, 2],
-                                   [5, 6], 7, bias_grad=wants_dbias)
+            folded = _folded_heads(static, operands, axis_size, fold_batched, fold_args, [0, 3, 4], [1, 2], [5, 6],
+                                   7, bias_grad=wants_dbias)
             if folded is None:
                 return _map_sequentially(call, axis_size, in_batched, args)
             dq, dk, dv, dbias, daux = call(*folded[0])

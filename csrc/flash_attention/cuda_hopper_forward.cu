@@ -118,13 +118,6 @@ bool DenseSharedAcrossBatch(const DenseOperand& dense, const Dims& d) {
   return d.batch > 1 && dense.per_head && !dense.per_batch && !d.varlen;
 }
 
-void PairPackedBlocks(KernelParams* kp) {
-  kp->num_m_blocks += kp->num_sequences + 1;  // each sequence (and the padding) may hold half a pair more
-  kp->num_m_blocks += kp->num_m_blocks & 1;
-  kp->div_m_blocks = FastDivisor(kp->num_m_blocks);
-  kp->div_m_block_pairs = FastDivisor(kp->num_m_blocks / 2);
-}
-
 void SetSection(int section, KernelParams* kp) {
   kp->section = section;
   kp->div_section = FastDivisor(section);

@@ -226,8 +226,7 @@ struct KernelParams {
   int sink_dtype;
   int batch, seqlen_q, seqlen_k, num_q_heads, head_ratio;
   // Dense: m blocks per (batch, head). Packed sequences: an upper bound of the blocks of all
-  // sequences (block i of the bound maps to a sequence and a block of it, or to nothing); in
-  // pairs, an even bound of twice their pairs too (PairPackedBlocks).
+  // sequences (block i of the bound maps to a sequence and a block of it, or to nothing).
   int num_m_blocks;
   // Dense tiles come in sections of `section` (batch, head) pairs, m-block-major inside a
   // section (DenseTile); 1 is plain head-major order.
@@ -673,12 +672,8 @@ __device__ __forceinline__ void DenseTile(const KernelParams& p, int tile, int* 
 
 // Dense tiles: DenseTile's order. Packed sequences: the whole warp scans cu_seqlens (clamped)
 // for the sequence holding block g of the packed order, each sequence's blocks from its last
-// to its first; the rows past the last sequence form one more, key-less sequence. Packed and
-// paired (ScheduledTile, an even num_m_blocks m): block g < m / 2 is the first of pair g and
-// block m - 1 - g its second, a sequence of b blocks holds (b + 1) / 2 pairs, and its pair j
-// is its blocks b - 1 - j and j (none for the middle one's second). Only kernels with kPairs
-// compile the pairing.
-template <int kBlockM, int kBlockN, bool kPairs>
+// to its first; the rows past the last sequence form one more, key-less sequence.
+template <int kBlockM, int kBlockN>
 __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int lane) {
   Tile t;
   t.padding = false;
@@ -692,11 +687,8 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
     t.k_len = p.seqlen_k;
   } else {
     t.q_begin = t.q_len = t.k_begin = t.k_len = 0;
-    const int slot = p.div_m_blocks.Mod(tile);
-    const bool paired = kPairs && p.paired;
-    const bool second = paired && slot >= p.div_m_block_pairs.divisor;
-    const int g = second ? p.num_m_blocks - 1 - slot : slot;
-    int before = 0;  // blocks (pairs) of the sequences already scanned
+    const int g = p.div_m_blocks.Mod(tile);
+    int before = 0;  // blocks of the sequences already scanned
     for (int base = 0; base <= p.num_sequences; base += 32) {
       const int i = base + lane;
       int qb = 0, qe = 0, kb = 0, ke = 0;
@@ -709,8 +701,7 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
         }
       }
       const int blocks = (qe - qb + kBlockM - 1) / kBlockM;
-      const int units = paired ? (blocks + 1) >> 1 : blocks;
-      int inclusive = units;
+      int inclusive = blocks;
 #pragma unroll
       for (int d = 1; d < 32; d *= 2) {
         const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
@@ -723,17 +714,15 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
         t.q_len = __shfl_sync(0xffffffffu, qe - qb, src);
         t.k_begin = __shfl_sync(0xffffffffu, kb, src);
         t.k_len = __shfl_sync(0xffffffffu, ke - kb, src);
-        const int first = before + __shfl_sync(0xffffffffu, inclusive - units, src);
-        const int last = __shfl_sync(0xffffffffu, blocks, src) - 1;
-        const int j = g - first;
-        m_block = !second ? last - j : (j < last - j ? j : -1);
+        const int first = before + __shfl_sync(0xffffffffu, inclusive - blocks, src);
+        m_block = __shfl_sync(0xffffffffu, blocks, src) - 1 - (g - first);
         t.padding = base + src == p.num_sequences;
         break;
       }
       before += __shfl_sync(0xffffffffu, inclusive, 31);
     }
   }
-  if (m_block < 0) {  // past the packed blocks, or a middle block's second visit: nothing to do
+  if (m_block < 0) {  // past the packed blocks: nothing to do
     t.q_len = 0;
     m_block = 0;
   }
@@ -756,10 +745,9 @@ __device__ __forceinline__ Tile DecodeTile(const KernelParams& p, int tile, int 
 // head hold M + 1 key tiles together, and a block takes one pair per two turns (the middle
 // block of an odd M alone), in head-major order. Every block then gets the same work, and
 // concurrent blocks read the K and V of a few heads, which stay in L2.
-// A call of one long packed sequence pairs its blocks alike (DecodeTile).
 // Only kernels with kPairs compile the pairing (SmemLayout::kPairedSchedule).
 constexpr int kSkipRound = -2;
-template <bool kPairs>
+template <bool kPairs, bool kPackedSections>
 __device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, int num_tiles) {
   if (kPairs && p.paired) {
     const int m = p.num_m_blocks;
@@ -771,7 +759,16 @@ __device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, i
     return j == m - 1 - j ? kSkipRound : bh * m + m - 1 - j;
   }
   const int k = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-  return k < num_tiles ? k : -1;
+  if (k >= num_tiles) return -1;
+  if (!kPackedSections || p.cu_seqlens_q == nullptr || p.section == 1) return k;
+  // Packed sequences, one block per tile: sections of p.section heads, inside one each block
+  // of the packed order for every head of the section, as DenseTile orders dense tiles.
+  const int section_index = p.div_section_tiles.Div(k);
+  const int first = section_index * p.section;
+  const int heads = min(p.section, p.num_q_heads * p.batch - first);
+  const int within = k - section_index * p.div_section_tiles.divisor;
+  const int g = heads == p.section ? p.div_section.Div(within) : within / heads;
+  return (first + within - g * heads) * p.num_m_blocks + g;
 }
 
 // Segment ids: narrows a tile's key tiles to those between the first and the last whose ids
@@ -825,6 +822,9 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
   constexpr int kBlockM = L::kBlockM;
   constexpr int kColBlocks = L::kColBlocks;
   constexpr bool kPairedSchedule = L::kPairedSchedule;
+  // Causal packed calls run one block per tile in sections of heads (ScheduledTile); the wider
+  // key tiles serve unmasked calls only, which stay on a persistent grid.
+  constexpr bool kPackedSections = kBlockN <= 128;
   // Online softmax: a row's running max (log2 domain) is raised only when a key tile's max
   // exceeds it by more than kMaxSlack, and a warp whose rows all kept theirs skips rescaling
   // O. At d256 that rescale is 128 multiplies per thread per key tile against 40 scores, and
@@ -895,10 +895,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
       const bool issuer = kSegments ? lane == 0 : true;
       int kv_iter = 0, q_iter = 0;
       for (int round = 0;; ++round) {
-        const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
+        const int tile = ScheduledTile<kPairedSchedule, kPackedSections>(p, round, num_tiles);
         if (kPairedSchedule && tile == kSkipRound) continue;
         if (tile < 0) break;
-        Tile t = DecodeTile<kBlockM, kBlockN, kPairedSchedule>(p, tile, lane);
+        Tile t = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
         int head, batch;
         TileHead<kDense>(p, tile, &head, &batch);
         if constexpr (kSegments) NarrowToSegments(p, batch, t.m0 / kBlockM, t);
@@ -1011,10 +1011,10 @@ __global__ void __launch_bounds__(128 * (1 + kWarpgroups), 1) ForwardKernel(cons
 
   int kv_iter = 0, q_iter = 0;
   for (int round = 0;; ++round) {
-    const int tile = ScheduledTile<kPairedSchedule>(p, round, num_tiles);
+    const int tile = ScheduledTile<kPairedSchedule, kPackedSections>(p, round, num_tiles);
     if (kPairedSchedule && tile == kSkipRound) continue;
     if (tile < 0) break;
-    Tile tl = DecodeTile<kBlockM, kBlockN, kPairedSchedule>(p, tile, lane);
+    Tile tl = DecodeTile<kBlockM, kBlockN>(p, tile, lane);
     int q_slot = -1;  // this tile's Q slot, if it has key tiles
     // Accumulator fragment (per warp 16 rows): element 4j + 2r + c is row g + 8r, column 8j + 2t + c.
     const int row0 = tl.m0 + wg * 64 + warp * 16 + lane / 4;
@@ -1527,7 +1527,6 @@ bool DenseSharedAcrossBatch(const DenseOperand& dense, const Dims& d);
 // Also the bias or mask (PrepareDenseOperand) for tiles of block_m rows.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
 // Packed sequences in pairs: widens num_m_blocks to an even bound of twice the pairs (DecodeTile).
-void PairPackedBlocks(KernelParams* kp);
 // Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of
 // their decode; PrepareKernelParams sets plain head-major order (1).
 void SetSection(int section, KernelParams* kp);
@@ -1564,31 +1563,28 @@ Status LaunchConfig(const CudaForwardArgs& args, cudaStream_t stream) {
     return Status::Internal(std::string("hopper flash attention: shared memory attribute: ") + cudaGetErrorString(err));
   }
   // A persistent grid's producer loads the next tile's Q, K and V while the consumers finish
-  // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band;
-  // packed sequences too, most blocks of their bound being empty. Short causal calls go in
-  // pairs of equal total length (C::kMaxPairedMBlocks), and so do causal calls of one long
-  // packed sequence (kPairedPackedSeqlen). Other packed calls walk back and forth: with
-  // several sequences of unknown lengths, a block in pairs met the same sequence's pairs turn
-  // after turn (4 random lengths around 8192: 2% slower paired; around 512: 16% slower).
+  // the current one. Tiles of (nearly) equal length walk back and forth: no mask, or a band.
+  // Short causal calls go in pairs of equal total length (C::kMaxPairedMBlocks).
   const ForwardCall call = ForwardCallOf(args.p, args.dims);
   const bool band = IsBand(kp.left, kp.right, kp.seqlen_k);
   // Segment ids take the masked kernels' tiles whether or not a causal or window mask is on.
   const bool mask_on = kMasked && (!kSegments || CausalOrWindow(call));
-  kp.paired = mask_on && C::kMaxPairedMBlocks > 0 &&
-              (kp.cu_seqlens_q != nullptr
-                   ? kp.num_sequences == 1 && kp.seqlen_q >= kPairedPackedSeqlen && !band
-                   : ShortCall(call, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k));
-  if (kp.paired && kp.cu_seqlens_q != nullptr) PairPackedBlocks(&kp);
+  kp.paired = mask_on && C::kMaxPairedMBlocks > 0 && kp.cu_seqlens_q == nullptr &&
+              ShortCall(call, int64_t{L::kBlockM} * C::kMaxPairedMBlocks, args.dims.seqlen_k);
   const int64_t tiles = static_cast<int64_t>(kp.num_m_blocks) * kp.num_q_heads * kp.batch;
   const int64_t units =
       kp.paired ? (kp.num_m_blocks + 1) / 2 * static_cast<int64_t>(kp.num_q_heads) * kp.batch : tiles;
-  const bool persistent = kp.paired || !mask_on || band || kp.cu_seqlens_q != nullptr;
+  const bool persistent = kp.paired || !mask_on || band;
   const unsigned grid = static_cast<unsigned>(persistent && units > num_sms ? num_sms : units);
-  // Other causal calls: one block per tile, dispatched in tile order, in sections of a few
-  // heads (K and V rows of 1024 columns in all), longest tiles first. In head-major order the
-  // last tiles dispatched include whole-row ones that run long after the rest (causal
-  // 4 x 4096 at d128: 486 -> 546 TFLOP/s on H100; sections of 4 heads: slower at d128,
-  // faster at d256).
+  // Other causal calls, packed ones included: one block per tile, dispatched in tile order, in
+  // sections of a few heads (K and V rows of 1024 columns in all), longest tiles first. In
+  // head-major order the last tiles dispatched include whole-row ones that run long after the
+  // rest (causal 4 x 4096 at d128: 486 -> 546 TFLOP/s on H100; sections of 4 heads: slower at
+  // d128, faster at d256). Packed causal calls, whose sequences' lengths the host does not
+  // know, took 0.84-0.95x the time of a persistent grid walked back and forth at d128 (16,
+  // 64 and 4 random lengths around 2048, 512 and 8192), 0.73x for one sequence of 4096, 0.72x
+  // at d256, 1.05x for 64 sequences of 512; for one sequence of 16384, 0.93-1.02x the time of
+  // pairs of equal length.
   SetSection(persistent ? 1 : std::max(1, 1024 / kHeadDim), &kp);
   kernel<<<grid, L::kThreads, L::kAllocBytes, stream>>>(kp);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {

@@ -110,11 +110,6 @@ inline constexpr ForwardTile kTileDenseNarrow = {2, 64, 2, 0};
 // Calls of at most this many queries and keys (no band, no packed sequences) are short: their
 // tiles' start-up and epilogue weigh more.
 inline constexpr int64_t kShortSeqlen = 1024;
-// Causal calls of one packed sequence in at least this many rows run in pairs of equal length
-// on the d96/d128 tiles that pair (the Hopper forward's schedule): back and forth, the tiles of
-// one long sequence fell unevenly on the blocks (1 x 16384 causal, d128: 1.52x the paired time
-// on H100).
-inline constexpr int64_t kPairedPackedSeqlen = 16384;
 
 // A call as the Hopper forward's tile choice and masks see it: from its params (the dispatch),
 // or from the registry signature (the heuristic and the autotuning candidates).

@@ -79,6 +79,14 @@ for batch, head_dim, seq, window in ((4, 64, 2000, (64, 0)), (9, 64, 1000, None)
     jax.block_until_ready(flash_attention(q, k, v, causal=True, sliding_window=window, platform="cuda",
                                           return_lse=True))
     calls += 1
+# Packed causal forwards, one block per tile in sections of 1024 / head_dim heads: two whole
+# sections and a partial one, sequences of one block and of several, padding rows after them.
+for head_dim in (64, 128, 256):
+    q, k, v = (normal(1, 700, 2 * 1024 // head_dim + 3, head_dim) for _ in range(3))
+    cu = jnp.array([0, 130, 131, 600], jnp.int32)
+    jax.block_until_ready(flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, platform="cuda",
+                                          return_lse=True))
+    calls += 1
 # A bias or a mask on the Hopper kernels, broadcast or not, causal or not, soft-capped or not,
 # deterministic or not; gradients of q, k and v, and of the bias (the Hopper backward; at d192
 # and d256 the forward's 64-key tiles and the backward's tile in the P^T buffer). Keys a

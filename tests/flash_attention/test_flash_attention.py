@@ -1542,9 +1542,9 @@ def test_cuda_packed_tiles_outnumber_the_blocks(impl, sequences, causal, rng):
 
 
 def test_cuda_long_packed_sequence_matches_the_plain_call(impl, rng):
-    """One causal packed sequence of at least 16384 rows (the Hopper forward then runs its
-    tiles in pairs), with or without padding rows after it, against the plain call on the
-    sequence's rows: the same tiles, so the same outputs and LSE up to rounding."""
+    """One causal packed sequence of at least 16384 rows (one block per tile in the Hopper
+    forward, in sections of heads), with or without padding rows after it, against the plain
+    call on the sequence's rows: the same tiles, so the same outputs and LSE up to rounding."""
     if impl.name != "cuda":
         pytest.skip("the CUDA kernels' tile schedule")
     from ejkernel.modules import flash_attention

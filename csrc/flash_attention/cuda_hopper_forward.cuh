@@ -18,8 +18,8 @@
 // entirely are never loaded, and only tiles on a mask boundary are masked element-wise.
 // Rows and keys past the sequence come from TMA's zero fill (or, with packed sequences, from
 // the neighbours, masked); stores skip them. Unmasked calls, bands (sliding windows much
-// narrower than the keys), packed sequences and short causal calls (query tiles in pairs of
-// equal length) run on a persistent grid, other causal calls on one block per tile.
+// narrower than the keys) and short causal calls (query tiles in pairs of equal length) run
+// on a persistent grid, other causal calls, packed ones included, on one block per tile.
 //
 // Features: bf16/f16, head dims 64/96/128/192/256, causal and sliding window (bottom-right aligned),
 // GQA/MQA, soft cap, sinks, packed sequences (cu_seqlens), segment ids, lse output.
@@ -228,8 +228,8 @@ struct KernelParams {
   // Dense: m blocks per (batch, head). Packed sequences: an upper bound of the blocks of all
   // sequences (block i of the bound maps to a sequence and a block of it, or to nothing).
   int num_m_blocks;
-  // Dense tiles come in sections of `section` (batch, head) pairs, m-block-major inside a
-  // section (DenseTile); 1 is plain head-major order.
+  // Tiles come in sections of `section` (batch, head) pairs, m-block-major inside a section
+  // (SectionedTile); 1 is plain head-major order.
   int section;
   // Persistent causal grid: each block takes pairs of m blocks of equal total length
   // (ScheduledTile); needs section 1.
@@ -649,24 +649,31 @@ struct Tile {
 
 __device__ __forceinline__ int Clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Dense tile `tile` -> its (batch, head) pair and m block. Sections of p.section pairs, in
-// order; inside one, m blocks from the last (the longest under a causal mask) to the first,
-// each for every pair of the section. Blocks dispatched in tile order then end with the
-// shortest tiles of the last section (a causal grid finishes evenly), while concurrent blocks
-// read the K and V of a few heads only, which stay in L2.
-__device__ __forceinline__ void DenseTile(const KernelParams& p, int tile, int* bh, int* m_block) {
-  if (p.section == 1) {  // every persistent grid
-    *bh = p.div_m_blocks.Div(tile);
-    *m_block = p.num_m_blocks - 1 - (tile - *bh * p.num_m_blocks);
-    return;
-  }
+// Tile `tile` in sections of p.section (batch, head) pairs, in order -> its pair and its row
+// of the section, the rows in order, each for every pair of the section. Rows run longest
+// first (dense: m blocks from the last; packed: each sequence's blocks from its last), so
+// blocks dispatched in tile order end with the shortest tiles of the last section (a causal
+// grid finishes evenly), while concurrent blocks read the K and V of a few heads only, which
+// stay in L2.
+__device__ __forceinline__ void SectionedTile(const KernelParams& p, int tile, int* bh, int* row) {
   const int section_index = p.div_section_tiles.Div(tile);
   const int first = section_index * p.section;
   const int pairs = min(p.section, p.num_q_heads * p.batch - first);
   const int within = tile - section_index * p.div_section_tiles.divisor;
   // Only the last section may hold fewer pairs.
-  const int row = pairs == p.section ? p.div_section.Div(within) : within / pairs;
-  *bh = first + within - row * pairs;
+  *row = pairs == p.section ? p.div_section.Div(within) : within / pairs;
+  *bh = first + within - *row * pairs;
+}
+
+// Dense tile `tile` -> its (batch, head) pair and m block, m blocks from the last.
+__device__ __forceinline__ void DenseTile(const KernelParams& p, int tile, int* bh, int* m_block) {
+  int row;
+  if (p.section == 1) {  // every persistent grid
+    *bh = p.div_m_blocks.Div(tile);
+    row = tile - *bh * p.num_m_blocks;
+  } else {
+    SectionedTile(p, tile, bh, &row);
+  }
   *m_block = p.num_m_blocks - 1 - row;
 }
 
@@ -761,14 +768,11 @@ __device__ __forceinline__ int ScheduledTile(const KernelParams& p, int round, i
   const int k = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   if (k >= num_tiles) return -1;
   if (!kPackedSections || p.cu_seqlens_q == nullptr || p.section == 1) return k;
-  // Packed sequences, one block per tile: sections of p.section heads, inside one each block
-  // of the packed order for every head of the section, as DenseTile orders dense tiles.
-  const int section_index = p.div_section_tiles.Div(k);
-  const int first = section_index * p.section;
-  const int heads = min(p.section, p.num_q_heads * p.batch - first);
-  const int within = k - section_index * p.div_section_tiles.divisor;
-  const int g = heads == p.section ? p.div_section.Div(within) : within / heads;
-  return (first + within - g * heads) * p.num_m_blocks + g;
+  // Packed sequences, one block per tile, in sections: the decode's head-major number of the
+  // section's row-th block of the packed order.
+  int bh, row;
+  SectionedTile(p, k, &bh, &row);
+  return bh * p.num_m_blocks + row;
 }
 
 // Segment ids: narrows a tile's key tiles to those between the first and the last whose ids
@@ -1526,9 +1530,9 @@ Status PrepareDropoutOperand(const ForwardParams& p, const uint32_t* seed, int64
 bool DenseSharedAcrossBatch(const DenseOperand& dense, const Dims& d);
 // Also the bias or mask (PrepareDenseOperand) for tiles of block_m rows.
 Status PrepareKernelParams(const CudaForwardArgs& args, int block_m, int block_n, KernelParams* kp);
-// Packed sequences in pairs: widens num_m_blocks to an even bound of twice the pairs (DecodeTile).
-// Dense tiles in sections of `section` (batch, head) pairs (DenseTile), with the divisors of
-// their decode; PrepareKernelParams sets plain head-major order (1).
+// Tiles in sections of `section` (batch, head) pairs (DenseTile, and ScheduledTile for packed
+// sequences), with the divisors of their decode; PrepareKernelParams sets plain head-major
+// order (1).
 void SetSection(int section, KernelParams* kp);
 // Segment ids with scratch (args.scratch): computes kp->key_tile_bounds for tiles of block_m
 // queries and block_n keys on the stream; otherwise leaves it null (no tile is skipped).
